@@ -1,0 +1,92 @@
+"""Saves that never destroy the previous checkpoint.
+
+A checkpoint is first written to a staging path beside the target (same directory, so the final rename stays on
+one filesystem and is atomic). Only a complete staging copy is moved into place:
+
+- a file replaces a file with one ``os.replace``;
+- anything else (a directory, or a file replacing a directory) first renames the old checkpoint to a backup name,
+  then renames the new one into place, then deletes the backup. A crash between the two renames leaves the old
+  checkpoint whole under the backup name, and :func:`recover` puts it back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from lightning_fsdp.checkpoint.layout import is_full_checkpoint, is_sharded_checkpoint
+
+STAGING_SUFFIX = ".staging"
+BACKUP_SUFFIX = ".previous"
+
+
+def staging_path(target: Path, token: str) -> Path:
+    return target.with_name(f".{target.name}.{token}{STAGING_SUFFIX}")
+
+
+def backup_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}{BACKUP_SUFFIX}")
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to overwrite anything that is not a checkpoint: users keep their files."""
+    if target.is_dir() and not is_sharded_checkpoint(target):
+        raise IsADirectoryError(
+            f"The checkpoint path {str(target)!r} is an existing directory that is not a sharded checkpoint, so it is"
+            " left untouched. HINT: choose another path, or remove that directory yourself."
+        )
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush file contents and directory entries, so a completed rename never points at unwritten data."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(path if path.is_dir() else path.parent)
+
+
+def commit(staged: Path, target: Path) -> None:
+    """Move a complete staged checkpoint to ``target``, replacing a previous checkpoint there."""
+    recover(target)
+    if staged.is_file() and (is_full_checkpoint(target) or not target.exists()):
+        os.replace(staged, target)
+    else:
+        backup = backup_path(target)
+        if backup.exists():
+            _remove(backup)
+        if target.exists():
+            os.replace(target, backup)
+        os.replace(staged, target)
+        _fsync_dir(target.parent)
+        if backup.exists():
+            _remove(backup)
+    _fsync_dir(target.parent)
+
+
+def recover(target: Path) -> None:
+    """If a previous save died between its two renames, put the old checkpoint back."""
+    backup = backup_path(target)
+    if backup.exists() and not target.exists():
+        os.replace(backup, target)
+
+
+def discard(staged: Path) -> None:
+    if staged.exists():
+        _remove(staged)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,273 @@
+"""Every user-facing strategy argument, validated and turned into torch objects in one place.
+
+Both fronts (Fabric and Trainer) build an :class:`FSDPConfig` from their constructor arguments, so the two accept
+the same values and raise the same errors. Nothing here needs a process group: checks that depend on the world size
+live in :mod:`lightning_fsdp.mesh` and run at setup.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from lightning_fsdp.errors import bad_argument
+from lightning_fsdp.policy import Policy, PolicyInput, parse_policy
+
+__all__ = [
+    "FSDPConfig",
+    "ShardingStrategy",
+    "ShardingInput",
+    "MeshInput",
+    "HybridNoSync",
+    "StateDictType",
+]
+
+
+class ShardingStrategy(str, Enum):
+    """The sharding strategies of Lightning's FSDP, with their FSDP2 meaning.
+
+    ============================ ===================== ===============================
+    strategy                     mesh                  parameters after forward
+    ============================ ===================== ===============================
+    ``FULL_SHARD``               1-D shard             resharded (the root keeps them)
+    ``SHARD_GRAD_OP``            1-D shard             kept until backward
+    ``NO_SHARD``                 (world, 1)            replicated everywhere (like DDP)
+    ``HYBRID_SHARD``             (replicate, shard)    resharded
+    ``_HYBRID_SHARD_ZERO2``      (replicate, shard)    kept until backward
+    ============================ ===================== ===============================
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+    @property
+    def default_reshard_after_forward(self) -> Optional[bool]:
+        # None lets FSDP2 choose: reshard every unit except the root, whose parameters backward needs at once.
+        if self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD):
+            return None
+        return False
+
+
+ShardingInput = Union[str, ShardingStrategy, Enum]
+MeshInput = Union[tuple[int, int], list[int], DeviceMesh]
+HybridNoSync = Literal["skip_all", "reduce_scatter_only"]
+StateDictType = Literal["sharded", "full"]
+
+_SHARDING_ALLOWED = ", ".join(repr(s.value) for s in ShardingStrategy) + " (any case) or torch's ShardingStrategy enum"
+_HYBRID_NO_SYNC_ALLOWED = ("skip_all", "reduce_scatter_only")
+_STATE_DICT_ALLOWED = ("sharded", "full")
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The validated strategy configuration. Build it with :meth:`from_arguments`."""
+
+    sharding_strategy: ShardingStrategy
+    reshard_after_forward: Optional[Union[bool, int]]
+    offload_policy: OffloadPolicy
+    mixed_precision: Optional[MixedPrecisionPolicy]
+    auto_wrap_policy: Policy
+    activation_checkpointing_policy: Optional[Policy]
+    state_dict_type: StateDictType
+    device_mesh: Optional[Union[tuple[int, int], DeviceMesh]]
+    hybrid_no_sync: HybridNoSync
+
+    @property
+    def cpu_offload(self) -> bool:
+        return isinstance(self.offload_policy, CPUOffloadPolicy)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        sharding_strategy: ShardingInput = "FULL_SHARD",
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        cpu_offload: Union[bool, CPUOffloadPolicy, None] = None,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        auto_wrap_policy: Optional[PolicyInput] = None,
+        activation_checkpointing_policy: Optional[PolicyInput] = None,
+        activation_checkpointing: Optional[Any] = None,
+        state_dict_type: str = "sharded",
+        device_mesh: Optional[MeshInput] = None,
+        hybrid_no_sync: str = "skip_all",
+    ) -> FSDPConfig:
+        strategy = parse_sharding_strategy(sharding_strategy)
+        return cls(
+            sharding_strategy=strategy,
+            reshard_after_forward=_parse_reshard_after_forward(reshard_after_forward),
+            offload_policy=_parse_cpu_offload(cpu_offload),
+            mixed_precision=_parse_mixed_precision(mixed_precision),
+            auto_wrap_policy=parse_policy("auto" if auto_wrap_policy is None else auto_wrap_policy, "auto_wrap_policy"),
+            activation_checkpointing_policy=_parse_activation_checkpointing(
+                activation_checkpointing_policy, activation_checkpointing
+            ),
+            state_dict_type=_parse_choice("state_dict_type", state_dict_type, _STATE_DICT_ALLOWED),
+            device_mesh=_parse_device_mesh(device_mesh, strategy),
+            hybrid_no_sync=_parse_hybrid_no_sync(hybrid_no_sync, strategy),
+        )
+
+
+def parse_sharding_strategy(value: Any) -> ShardingStrategy:
+    if isinstance(value, ShardingStrategy):
+        return value
+    # torch's FSDP1 `ShardingStrategy` enum and any other enum are matched by member name.
+    name = value.name if isinstance(value, Enum) else value
+    if isinstance(name, str):
+        for member in ShardingStrategy:
+            if member.value.lower() == name.strip().lower():
+                return member
+        raise ValueError(
+            bad_argument(
+                "sharding_strategy", value, _SHARDING_ALLOWED,
+                "Use one of the names above, e.g. `sharding_strategy='FULL_SHARD'`.",
+            )
+        )
+    raise TypeError(
+        bad_argument(
+            "sharding_strategy", value, _SHARDING_ALLOWED,
+            "Pass the strategy's name as a string, e.g. `sharding_strategy='HYBRID_SHARD'`.",
+            problem=f"A value of type {type(value).__name__} is not a sharding strategy",
+        )
+    )
+
+
+def _parse_reshard_after_forward(value: Any) -> Optional[Union[bool, int]]:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value > 1:
+        return value
+    raise ValueError(
+        bad_argument(
+            "reshard_after_forward", value,
+            "None (follow sharding_strategy), True, False, or an int > 1 that divides the shard-axis size",
+            "Use `reshard_after_forward=True` to free parameters after forward, or False to keep them.",
+        )
+    )
+
+
+def _parse_cpu_offload(value: Any) -> OffloadPolicy:
+    if value is None or value is False:
+        return OffloadPolicy()
+    if value is True:
+        # Pinned memory makes host<->device copies asynchronous; it is decided per device in `sharding.py`.
+        return CPUOffloadPolicy()
+    if isinstance(value, CPUOffloadPolicy):
+        return value
+    if type(value).__name__ == "CPUOffload" and hasattr(value, "offload_params"):
+        # Lightning's FSDP1 argument: `torch.distributed.fsdp.CPUOffload(offload_params=True)`.
+        return CPUOffloadPolicy() if value.offload_params else OffloadPolicy()
+    raise TypeError(
+        bad_argument(
+            "cpu_offload", value, "True, False, a torch.distributed.fsdp.CPUOffloadPolicy, or None",
+            "Use `cpu_offload=True`, or `cpu_offload=CPUOffloadPolicy(pin_memory=False)` for finer control.",
+        )
+    )
+
+
+def _parse_mixed_precision(value: Any) -> Optional[MixedPrecisionPolicy]:
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return value
+    raise TypeError(
+        bad_argument(
+            "mixed_precision", value, "a torch.distributed.fsdp.MixedPrecisionPolicy or None",
+            "Prefer the precision setting, e.g. `Fabric(precision='bf16-mixed')`; use `mixed_precision="
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` only to override it.",
+            problem="FSDP1's `MixedPrecision` does not apply to FSDP2" if type(value).__name__ == "MixedPrecision" else "",
+        )
+    )
+
+
+def _parse_activation_checkpointing(policy: Any, legacy: Any) -> Optional[Policy]:
+    if legacy is not None:
+        if policy is not None:
+            raise ValueError(
+                bad_argument(
+                    "activation_checkpointing", legacy,
+                    "only one of `activation_checkpointing` (deprecated) and `activation_checkpointing_policy`",
+                    "Drop `activation_checkpointing` and keep `activation_checkpointing_policy`.",
+                    problem="Both `activation_checkpointing` and `activation_checkpointing_policy` are set",
+                )
+            )
+        warnings.warn(
+            "`activation_checkpointing` is deprecated; use `activation_checkpointing_policy` with the same value"
+            " instead, e.g. `activation_checkpointing_policy={Block}`.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return parse_policy(legacy, "activation_checkpointing")
+    return parse_policy(policy, "activation_checkpointing_policy")
+
+
+def _parse_choice(argument: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    if isinstance(value, str) and value.lower() in allowed:
+        return value.lower()
+    raise ValueError(
+        bad_argument(argument, value, ", ".join(repr(a) for a in allowed), f"Use e.g. `{argument}={allowed[0]!r}`.")
+    )
+
+
+def _parse_hybrid_no_sync(value: Any, strategy: ShardingStrategy) -> HybridNoSync:
+    choice = _parse_choice("hybrid_no_sync", value, _HYBRID_NO_SYNC_ALLOWED)
+    if choice == "reduce_scatter_only" and not strategy.is_hybrid:
+        warnings.warn(
+            f"`hybrid_no_sync='reduce_scatter_only'` only changes hybrid sharding, but `sharding_strategy` is"
+            f" {strategy.value!r}; `no_backward_sync` will skip all gradient communication.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return choice
+
+
+def _parse_device_mesh(value: Any, strategy: ShardingStrategy) -> Optional[Union[tuple[int, int], DeviceMesh]]:
+    if value is None:
+        return None
+    allowed = "a (replicate, shard) tuple or list of two positive ints, or a torch DeviceMesh"
+    if isinstance(value, DeviceMesh):
+        if strategy.is_hybrid and value.ndim != 2:
+            raise ValueError(
+                bad_argument(
+                    "device_mesh", value, "a 2-D DeviceMesh (replicate, shard) for hybrid sharding",
+                    "Build it with `init_device_mesh(device, (num_nodes, devices), mesh_dim_names=('replicate',"
+                    " 'shard'))`, or pass the tuple `(num_nodes, devices)`.",
+                )
+            )
+        if not strategy.is_hybrid and value.ndim != 1:
+            raise ValueError(_mesh_needs_hybrid(value, strategy))
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        if any(v <= 0 for v in value):
+            raise ValueError(
+                bad_argument(
+                    "device_mesh", value, allowed,
+                    "Use positive sizes, e.g. `device_mesh=(num_nodes, devices_per_node)`.",
+                    problem="Mesh sizes must be at least 1",
+                )
+            )
+        if not strategy.is_hybrid:
+            raise ValueError(_mesh_needs_hybrid(value, strategy))
+        return (int(value[0]), int(value[1]))
+    raise TypeError(
+        bad_argument("device_mesh", value, allowed, "Use e.g. `device_mesh=(2, 8)` for 2 nodes of 8 devices.")
+    )
+
+
+def _mesh_needs_hybrid(value: Any, strategy: ShardingStrategy) -> str:
+    return bad_argument(
+        "device_mesh", value, "a 2-D (replicate, shard) mesh only together with hybrid sharding",
+        "Add `sharding_strategy='HYBRID_SHARD'`, or drop `device_mesh` to shard over all ranks.",
+        problem=f"`sharding_strategy={strategy.value!r}` does not use a (replicate, shard) mesh",
+    )
+

@@ -1,0 +1,180 @@
+"""The engine: everything the Fabric and Trainer fronts share, and nothing that knows either front.
+
+A front owns one :class:`FSDPEngine`. It forwards Lightning's hooks to it: ``setup_distributed`` from
+``setup_environment``, ``setup_module`` and ``setup_optimizer`` from the setup hooks, and so on. The engine in turn
+calls the owners of each concept: :mod:`~lightning_fsdp.mesh`, :mod:`~lightning_fsdp.sharding`,
+:mod:`~lightning_fsdp.grads` and :mod:`~lightning_fsdp.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any, Optional, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp import grads, sharding
+from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
+from lightning_fsdp.precision import FSDPPrecision
+
+__all__ = ["FSDPEngine"]
+
+log = logging.getLogger("lightning_fsdp")
+T = TypeVar("T")
+
+
+class FSDPEngine:
+    """Holds the validated config, the mesh and the device once processes are up."""
+
+    def __init__(self, config: FSDPConfig, process_group_backend: Optional[str], timeout: Optional[timedelta]):
+        self.config = config
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self._mesh: Optional[DeviceMesh] = None
+        self.device = torch.device("cpu")
+        self.global_rank = 0
+        self.world_size = 1
+
+    # --- process group and mesh -------------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError(
+                "The device mesh does not exist before the processes are set up. HINT: call `fabric.launch()` (or let"
+                " the Trainer start) before using the strategy's mesh."
+            )
+        return self._mesh
+
+    def setup_distributed(self, cluster: ClusterInfo, device: torch.device, num_nodes: int) -> None:
+        self.device = device
+        self.global_rank = cluster.global_rank()
+        self.world_size = cluster.world_size()
+        self.process_group_backend = self.process_group_backend or default_backend(device)
+        init_process_group(cluster, self.process_group_backend, device, self.timeout)
+        self._mesh = build_mesh(self.config, device, self.world_size, num_nodes)
+
+    # --- model and optimizers -----------------------------------------------------------------------------
+
+    def setup_module(
+        self, module: Module, precision: FSDPPrecision, optimizers: Sequence[Optimizer] = ()
+    ) -> Module:
+        """Shard ``module`` in place and point ``optimizers`` (created before setup) at the sharded parameters."""
+        owners = sharding.ParameterOwners(module)
+        module = precision.convert_module(module)
+        mp_policy = self.config.mixed_precision or precision.mixed_precision_policy()
+        result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy)
+        _move_metrics_to_device(module, self.device)
+        for optimizer in optimizers:
+            sharding.remap_optimizer(optimizer, owners)
+        if self.global_rank == 0:
+            log.info(f"FSDP units: {result.summary} on mesh {_mesh_summary(self.mesh)}")
+        return module
+
+    def check_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Separate setup: the optimizer must have been created from the already sharded parameters."""
+        if any(getattr(p, "is_meta", False) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "The optimizer references parameters on the meta device. HINT: create the optimizer after"
+                " `fabric.setup_module(model)`, or set both up together with `fabric.setup(model, optimizer)`."
+            )
+        return optimizer
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        reduce_scatter_only = (
+            self.config.hybrid_no_sync == "reduce_scatter_only" and self.config.sharding_strategy.is_hybrid
+        )
+        return sharding.no_backward_sync(module, enabled, reduce_scatter_only)
+
+    def clip_gradients_norm(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        return grads.clip_grad_norm(_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
+    def clip_gradients_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        grads.clip_grad_value(_params(optimizer), clip_val)
+
+    # --- collectives ----------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or not _distributed():
+            return tensor
+        op = _reduce_op(reduce_op)
+        mean = op is None
+        # gloo has no AVG: sum, then divide. Integer tensors are promoted so the mean is exact.
+        if mean and not tensor.is_floating_point():
+            tensor = tensor.to(torch.get_default_dtype())
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else op, group=group)
+        if mean:
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    def barrier(self) -> None:
+        if not _distributed():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if not _distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+def _reduce_op(reduce_op: Any) -> Optional[Any]:
+    """``None`` stands for the mean; anything else is a ``dist.ReduceOp``."""
+    if reduce_op is None:
+        return dist.ReduceOp.SUM
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        if name in ("mean", "avg"):
+            return None
+        if name in _OPS:
+            return _OPS[name]
+        raise ValueError(
+            f"Invalid `reduce_op={reduce_op!r}`. Allowed: 'mean', 'sum', 'max', 'min', 'product' or a"
+            " torch.distributed.ReduceOp. HINT: use e.g. `fabric.all_reduce(x, reduce_op='sum')`."
+        )
+    if reduce_op == dist.ReduceOp.AVG:
+        return None
+    return reduce_op
+
+
+def _params(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _move_metrics_to_device(module: Module, device: torch.device) -> None:
+    """torchmetrics states are plain tensors outside the FSDP units; move them with the model."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency, this only guards odd installs
+        return
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.to(device)
+
+
+def _mesh_summary(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return "(" + ", ".join(f"{n}={mesh.size(i)}" for i, n in enumerate(names)) + ")"

@@ -1,0 +1,292 @@
+"""The Fabric front: ``Fabric(strategy=FSDPStrategy(...))``.
+
+This class only maps Lightning Fabric's strategy hooks onto :class:`~lightning_fsdp.engine.FSDPEngine`. Anything
+that is not about Fabric's API belongs in the engine, so the Trainer front can share it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp import checkpoint
+from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
+from lightning_fsdp.engine import FSDPEngine
+from lightning_fsdp.policy import PolicyInput
+from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
+from lightning_fsdp.registry import register_into
+
+__all__ = ["FSDPStrategy"]
+
+
+class FSDPStrategy(ParallelStrategy, _Sharded):
+    """Fully Sharded Data Parallel with torch's FSDP2 ``fully_shard``, for Lightning Fabric.
+
+    Accepts the arguments of Lightning's Fabric ``FSDPStrategy`` and gives them their FSDP2 meaning.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment: set by Fabric; rarely passed by hand.
+        precision: a precision plugin or name (``"bf16-mixed"``, ...). ``Fabric(precision=...)`` takes precedence
+            unless it is the default ``"32-true"``.
+        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
+        timeout: how long a collective waits for a missing rank before failing.
+        cpu_offload: ``True`` or a ``CPUOffloadPolicy``: keep sharded parameters, gradients and optimizer state in
+            host memory (pinned on CUDA).
+        mixed_precision: a ``MixedPrecisionPolicy`` that overrides the one the precision setting implies.
+        auto_wrap_policy: which modules become FSDP units; see :mod:`lightning_fsdp.policy`. Default ``"auto"``.
+        activation_checkpointing_policy: which modules recompute activations in backward; same policy language.
+        activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
+        sharding_strategy: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` or
+            ``_HYBRID_SHARD_ZERO2`` (any case), or torch's ``ShardingStrategy`` enum.
+        state_dict_type: ``"sharded"`` (default; a DCP directory) or ``"full"`` (one file).
+        device_mesh: ``(replicate, shard)`` sizes or a ``DeviceMesh``, for hybrid sharding.
+            Default: ``(num_nodes, devices per node)``.
+        reshard_after_forward: FSDP2's own switch; overrides what ``sharding_strategy`` implies.
+        hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips
+            every gradient collective; ``"reduce_scatter_only"`` still reduce-scatters inside each shard group, which
+            keeps gradients sharded, and skips only the all-reduce across replicas.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        precision: Optional[Union[Precision, PrecisionName]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        cpu_offload: Union[bool, CPUOffloadPolicy, None] = None,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        auto_wrap_policy: Optional[PolicyInput] = None,
+        activation_checkpointing: Optional[Any] = None,
+        activation_checkpointing_policy: Optional[PolicyInput] = None,
+        sharding_strategy: ShardingInput = "FULL_SHARD",
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: Optional[MeshInput] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        hybrid_no_sync: HybridNoSync = "skip_all",
+    ) -> None:
+        config = FSDPConfig.from_arguments(
+            sharding_strategy=sharding_strategy,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            activation_checkpointing=activation_checkpointing,
+            state_dict_type=state_dict_type,
+            device_mesh=device_mesh,
+            hybrid_no_sync=hybrid_no_sync,
+        )
+        own_precision = FSDPPrecision(precision) if isinstance(precision, (str, int)) else precision
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=own_precision,
+        )
+        self._explicit_precision = own_precision is not None
+        self._engine = FSDPEngine(config, process_group_backend, timeout)
+        self._num_nodes = 1
+        self._backward_sync_control = _EngineBackwardSyncControl(self._engine)
+
+    # --- properties Lightning reads -----------------------------------------------------------------------
+
+    @property
+    def config(self) -> FSDPConfig:
+        return self._engine.config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._engine.mesh
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`."
+        )
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not accept a `CheckpointIO` plugin. HINT: remove it from `plugins=[...]`."
+        )
+
+    @property
+    def precision(self) -> FSDPPrecision:
+        return self._precision if isinstance(self._precision, FSDPPrecision) else FSDPPrecision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        incoming = as_fsdp_precision(precision) if precision is not None else None
+        current = getattr(self, "_precision", None)
+        # Fabric always hands over a plugin, "32-true" when the user chose nothing. Keep a precision given to the
+        # strategy itself in that case; any other disagreement is the user's to settle.
+        if getattr(self, "_explicit_precision", False) and isinstance(current, FSDPPrecision) and incoming is not None:
+            if incoming.precision == "32-true" or incoming.precision == current.precision:
+                return
+            raise ValueError(
+                f"Invalid `precision={current.precision!r}` on the strategy together with `Fabric(precision="
+                f"{incoming.precision!r})`. Allowed: one precision setting. HINT: set it in one place only, e.g."
+                f" `Fabric(precision={current.precision!r})`."
+            )
+        self._precision = incoming
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._engine.process_group_backend
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.precision.set_device_type(self.root_device.type)
+        self._engine.setup_distributed(self.cluster_environment, self.root_device, self.num_nodes)
+
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        module = self._engine.setup_module(module, self.precision, optimizers)
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: Module) -> Module:
+        return self._engine.setup_module(module, self.precision)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return self._engine.check_optimizer(optimizer)
+
+    def module_to_device(self, module: Module) -> None:
+        pass  # `fully_shard` places the shards on the mesh's device.
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if empty_init:
+            # Materialized in `setup_module`, after sharding, so only local shards are ever allocated.
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        # FSDP2 shards at setup, not at construction; `empty_init=True` is the memory-saving path.
+        return nullcontext()
+
+    # --- training-step helpers ------------------------------------------------------------------------------
+
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return self._engine.clip_gradients_norm(optimizer, float(max_norm), float(norm_type), error_if_nonfinite)
+
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        self._engine.clip_gradients_value(optimizer, float(clip_val))
+
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Tensor:
+        return self._engine.all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._engine.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return self._engine.broadcast(obj, src)
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
+            )
+        full = self.config.state_dict_type == "full"
+        checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter)
+
+    def load_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        if not state:
+            raise ValueError(
+                f"`{type(self).__name__}.load_checkpoint(..., state={state!r})` needs the objects to restore. HINT:"
+                " pass them like so: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            )
+        return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine)
+
+    # --- registry -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        register_into(strategy_registry, cls)
+
+
+class _EngineBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, engine: FSDPEngine) -> None:
+        self._engine = engine
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._engine.no_backward_sync(module, enabled)
