@@ -159,9 +159,12 @@ class FSDPPrecision(Precision):
     def convert_output(self, data: Any) -> Any:
         return _convert_fp_tensor(data, torch.get_default_dtype())
 
-    def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Tensor:
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        # Lightning ignores what `pre_backward` returns, so the loss is scaled here, right before autograd runs.
         scaler = self.scaler
-        return scaler.scale(tensor) if scaler is not None else tensor
+        if scaler is not None:
+            tensor = scaler.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         scaler = self.scaler

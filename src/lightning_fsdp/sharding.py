@@ -128,13 +128,23 @@ def remap_optimizer(optimizer: Optimizer, owners: ParameterOwners) -> None:
             " cannot be moved onto the sharded parameters. HINT: set up the model before the first `step()`, e.g."
             " `model, optimizer = fabric.setup(model, optimizer)` right after creating them."
         )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in params if owners.current(p) is None]
+    if params and len(foreign) == len(params):
+        raise ValueError(
+            f"The optimizer {type(optimizer).__name__} holds none of the parameters of the model it is set up with,"
+            " so training would update nothing. HINT: build it from this model, e.g."
+            " `optimizer = torch.optim.AdamW(model.parameters())`, then `fabric.setup(model, optimizer)`."
+        )
+    if foreign:
+        warnings.warn(
+            f"{len(foreign)} of the optimizer's {len(params)} parameters are not part of the model; they are left"
+            " unsharded and their gradients are not synchronized across ranks.",
+            UserWarning,
+            stacklevel=4,
+        )
     for group in optimizer.param_groups:
-        group["params"] = [_current_or_same(owners, p) for p in group["params"]]
-
-
-def _current_or_same(owners: ParameterOwners, param: torch.Tensor) -> torch.Tensor:
-    current = owners.current(param)
-    return param if current is None else current
+        group["params"] = [owners.current(p) if owners.current(p) is not None else p for p in group["params"]]
 
 
 @contextmanager

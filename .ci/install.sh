@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Create (or reuse) the development environment in <repo>/.venv and install this package with its test extras.
+#
+#   bash .ci/install.sh          # from anywhere; safe to run again, and fast once everything is installed
+#
+# Environment variables:
+#   PYTHON          interpreter used to create .venv (default: python3)
+#   TORCH_PIP_ARGS  extra pip arguments for the torch install only. On a CPU-only machine without a local CPU wheel,
+#                   use TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu": PyPI's Linux wheel of
+#                   torch is the multi-GB CUDA build.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+CONSTRAINTS="$ROOT/.ci/constraints.txt"
+TORCH_VERSION="$(sed -n 's/^torch==\([^[:space:]]*\).*/\1/p' "$CONSTRAINTS")"
+STAMP="$VENV/.lightning-fsdp-installed"
+
+if [[ ! -x "$PY" ]]; then
+    echo "[install] creating $VENV with $("$PYTHON" --version 2>&1)"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# Skip pip entirely when nothing that decides the environment has changed since the last successful install and
+# the package still imports. Any edit to pyproject.toml, the constraints or this script forces a real install.
+fingerprint="$(cat pyproject.toml "$CONSTRAINTS" "$ROOT/.ci/install.sh" | cksum)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$fingerprint" ]] \
+    && "$PY" - "$TORCH_VERSION" >/dev/null 2>&1 <<'PYCHECK'; then
+import importlib.metadata as md, importlib.util, sys
+# Metadata only, no imports: importing torch and lightning would take seconds.
+assert md.version("torch").split("+")[0] == sys.argv[1]
+assert md.version("lightning-fsdp") and md.version("pytest")
+assert importlib.util.find_spec("lightning_fsdp") is not None
+PYCHECK
+    echo "[install] $VENV is up to date"
+    exit 0
+fi
+
+pip_install() {
+    "$PY" -m pip install --quiet --disable-pip-version-check "$@"
+}
+
+# torch first and alone, pinned: if anything later asked for torch unpinned, pip could pick a CUDA build.
+echo "[install] torch==$TORCH_VERSION"
+# shellcheck disable=SC2086  # TORCH_PIP_ARGS is meant to be word-split
+pip_install ${TORCH_PIP_ARGS:-} "torch==$TORCH_VERSION"
+
+echo "[install] lightning-fsdp (editable) with test extras, constrained by .ci/constraints.txt"
+pip_install -c "$CONSTRAINTS" -e ".[test]"
+
+"$PY" -c "import torch, lightning, lightning_fsdp; print(f'[install] ok: torch {torch.__version__}, lightning {lightning.__version__}, lightning-fsdp {lightning_fsdp.__version__}')"
+echo "$fingerprint" > "$STAMP"

@@ -1,0 +1,79 @@
+"""Pytest-side launcher for the multi-process workers in ``tests/workers``.
+
+Fabric's own launcher re-executes ``sys.argv``, which under pytest would re-run pytest, so workers are started as
+scripts under ``torch.distributed.run``. Results come back through files (see ``workers/harness.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+LAUNCH_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(out: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        LFSDP_TEST_OUT=str(out),
+        PYTHONPATH=os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore::DeprecationWarning",
+    )
+    env.update(extra)
+    return env
+
+
+def torchrun(script: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
+        "--master_addr=127.0.0.1", f"--master_port={port or free_port()}",
+        str(WORKERS / script),
+    ]
+
+
+@dataclass
+class Launch:
+    out: Path
+    world_size: int
+    log: str
+
+    def result(self, name: str, rank: int) -> dict:
+        path = self.out / f"{name}.rank{rank}.json"
+        if not path.is_file():
+            pytest.fail(f"case {name!r} wrote no result on rank {rank}; launch log tail:\n{self.log[-6000:]}")
+        return json.loads(path.read_text())
+
+    def check(self, name: str) -> list[dict]:
+        """Fail unless the case passed on every rank; return each rank's details."""
+        details = []
+        for rank in range(self.world_size):
+            record = self.result(name, rank)
+            if not record["ok"]:
+                pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}")
+            details.append(record["details"])
+        return details
+
+
+def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
+    out = tmp / Path(script).stem
+    proc = subprocess.run(
+        torchrun(script, nproc), env=worker_env(out, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+    return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr)

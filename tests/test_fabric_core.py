@@ -1,0 +1,44 @@
+"""Two-rank Fabric cases (see ``workers/fabric_core.py``), one launch for all of them."""
+
+import pytest
+
+from launch import launch
+
+CASES = [
+    "parity_full_shard",
+    "parity_full_shard_activation_checkpointing",
+    "parity_shard_grad_op",
+    "parity_shard_grad_op_activation_checkpointing",
+    "parity_no_shard",
+    "parity_no_shard_activation_checkpointing",
+    "parity_cpu_offload",
+    "parity_reshard_after_forward_override",
+    "parity_bf16_mixed",
+    "parity_16_mixed_with_loss_scaler",
+    "loss_scaler_skips_step_on_every_rank_when_one_rank_overflows",
+    "sharding_is_real",
+    "units_match_each_policy_form",
+    "policy_matching_nothing_warns_with_candidates",
+    "existing_fsdp_units_are_respected",
+    "existing_checkpoint_wrappers_are_not_wrapped_twice",
+    "joint_setup_remaps_optimizer_and_trains",
+    "separate_setup_trains",
+    "meta_init_materializes_shards_and_trains",
+    "joint_setup_refuses_optimizer_with_state",
+    "gradient_accumulation_with_no_backward_sync",
+    "clip_gradients_norm_matches_reference",
+    "clip_gradients_value_matches_reference",
+    "collectives_work",
+    "torchmetrics_follow_the_model",
+    "checkpoint_round_trip_sharded_and_full",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("fabric_core.py", 2, tmp_path_factory.mktemp("fabric_core"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(results, name):
+    results.check(name)

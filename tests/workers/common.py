@@ -1,0 +1,115 @@
+"""Shared pieces of the worker scripts: building Fabric, the training step and the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from harness import TIMEOUT
+from lightning_fsdp.fabric import FSDPStrategy
+from models import TinyTransformer, make_batch
+
+VOCAB = 32
+
+
+def make_fabric(devices: int, num_nodes: int = 1, precision: Any = None, plugins=None, **strategy_kwargs: Any) -> Fabric:
+    strategy_kwargs.setdefault("timeout", TIMEOUT)
+    fabric = Fabric(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, precision=precision, plugins=plugins,
+        strategy=FSDPStrategy(**strategy_kwargs),
+    )
+    fabric.launch()
+    return fabric
+
+
+def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters gathered to full tensors, under the model's clean names (the state-dict keys)."""
+    return {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def global_batch(step: int, world_size: int) -> torch.Tensor:
+    return torch.cat([make_batch(step, r) for r in range(world_size)])
+
+
+def reference_run(
+    steps: int,
+    world_size: int,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    seed: int = 0,
+    autocast_dtype: Optional[torch.dtype] = None,
+    max_norm: Optional[float] = None,
+) -> tuple[nn.Module, list[float], list[float]]:
+    """Single-process training on the concatenation of every rank's batch: what FSDP must reproduce."""
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    opt = make_optimizer(model)
+    losses, norms = [], []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = loss_fn(model, global_batch(step, world_size))
+        loss.backward()
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses, norms
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def fsdp_run(
+    fabric: Fabric, steps: int, make_optimizer=sgd, seed: int = 0, max_norm: Optional[float] = None
+) -> tuple[nn.Module, list[float], list[float]]:
+    """Train with the strategy; each rank sees its own batch. Returns the model and the global mean losses."""
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    opt = make_optimizer(model)
+    model, opt = fabric.setup(model, opt)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = loss_fn(model, make_batch(step, fabric.global_rank))
+        fabric.backward(loss)
+        if max_norm is not None:
+            norms.append(fabric.clip_gradients(model, opt, max_norm=max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    return model, losses, norms
+
+
+def compare(model: nn.Module, reference: nn.Module, losses, ref_losses, atol: float) -> dict[str, float]:
+    got = full_params(model)
+    expected = reference.state_dict()
+    assert sorted(got) == sorted(expected), f"state-dict keys differ: {sorted(set(got) ^ set(expected))}"
+    param_diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert loss_diff <= atol, f"losses differ by {loss_diff:.3e} > {atol:.1e}: {losses} vs {ref_losses}"
+    assert param_diff <= atol, f"parameters differ by {param_diff:.3e} > {atol:.1e}"
+    # A run that trained nothing would match a reference that trained nothing; make sure both moved.
+    torch.manual_seed(0)
+    initial = TinyTransformer().state_dict()
+    moved = max((expected[k] - initial[k]).abs().max().item() for k in expected)
+    assert moved > 1e-3, f"the reference did not train (max change {moved:.3e})"
+    return {"param_diff": param_diff, "loss_diff": loss_diff, "moved": moved}
+
+
+def deepcopy_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

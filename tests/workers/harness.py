@@ -1,0 +1,66 @@
+"""Worker-side harness: run many test cases in one multi-process launch.
+
+A worker script defines cases with ``@case`` and calls :func:`run_cases`. Each case runs on every rank; each
+rank writes ``<case>.rank<r>.json`` into ``$LFSDP_TEST_OUT`` with ``ok`` and either ``details`` or the traceback.
+The pytest side (``tests/launch.py``) turns every (case, rank) file into one test outcome, so a launch of a few
+seconds covers many cases and a missing file is a failure, never a silent pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+CASES: list[Callable[[], Any]] = []
+TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")))
+
+
+def case(fn: Callable[[], Any]) -> Callable[[], Any]:
+    CASES.append(fn)
+    return fn
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_cases() -> None:
+    out = Path(os.environ["LFSDP_TEST_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    only = set(filter(None, os.environ.get("LFSDP_TEST_ONLY", "").split(",")))
+    torch.set_num_threads(1)
+    failed = False
+    for fn in CASES:
+        if only and fn.__name__ not in only:
+            continue
+        try:
+            record = {"ok": True, "details": _jsonable(fn())}
+        except BaseException:  # noqa: BLE001 - the traceback goes to the pytest side
+            failed = True
+            record = {"ok": False, "error": traceback.format_exc()}
+            print(f"[rank {rank()}] case {fn.__name__} failed:\n{record['error']}", file=sys.stderr, flush=True)
+        (out / f"{fn.__name__}.rank{rank()}.json").write_text(json.dumps(record))
+    sys.exit(1 if failed else 0)
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> float:
+    """Assert and return the max abs difference, so the result file records how close it was."""
+    diff = (actual.detach().float() - expected.detach().float()).abs().max().item() if actual.numel() else 0.0
+    if not diff <= atol:
+        raise AssertionError(f"{what}: max abs diff {diff:.3e} > atol {atol:.1e}")
+    return diff
