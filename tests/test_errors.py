@@ -208,6 +208,14 @@ def test_precision_plugin_rejects_unknown_name():
     check_message(info.value, "precision", "'64-true'", "'16-true'", "precision=")
 
 
+@pytest.mark.parametrize("value", [["bf16-mixed"], {"precision": "bf16-mixed"}], ids=["list", "dict"])
+def test_precision_plugin_rejects_unhashable_value(value):
+    # Not a bare "unhashable type" from the alias lookup: the same message as every other bad precision.
+    with pytest.raises((ValueError, TypeError), match=re.escape(f"Invalid `precision={value!r}`")) as info:
+        FSDPPrecision(value)
+    check_message(info.value, "precision", repr(value), "'bf16-mixed'", "precision='bf16-mixed'")
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
 def test_scaler_only_with_16_mixed(precision):
     scaler = torch.amp.GradScaler("cpu")

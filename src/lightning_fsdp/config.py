@@ -247,7 +247,7 @@ def _parse_device_mesh(value: Any, strategy: ShardingStrategy) -> Optional[Union
         if not strategy.is_hybrid and value.ndim != 1:
             raise ValueError(_mesh_needs_hybrid(value, strategy))
         return value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value):
         if any(v <= 0 for v in value):
             raise ValueError(
                 bad_argument(
@@ -271,3 +271,6 @@ def _mesh_needs_hybrid(value: Any, strategy: ShardingStrategy) -> str:
         problem=f"`sharding_strategy={strategy.value!r}` does not use a (replicate, shard) mesh",
     )
 
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

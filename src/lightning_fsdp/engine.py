@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp import grads, sharding
 from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.failures import explain_collective_failure
 from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
 from lightning_fsdp.precision import FSDPPrecision
 
@@ -105,6 +106,10 @@ class FSDPEngine:
 
     # --- collectives ----------------------------------------------------------------------------------------
 
+    def guard(self, phase: str) -> AbstractContextManager:
+        """Re-raise a failed collective inside the block with the rank, the likely cause and the timeout."""
+        return explain_collective_failure(phase, self.timeout)
+
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if not isinstance(tensor, Tensor) or not _distributed():
             return tensor
@@ -113,7 +118,8 @@ class FSDPEngine:
         # gloo has no AVG: sum, then divide. Integer tensors are promoted so the mean is exact.
         if mean and not tensor.is_floating_point():
             tensor = tensor.to(torch.get_default_dtype())
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else op, group=group)
+        with self.guard("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else op, group=group)
         if mean:
             tensor = tensor / dist.get_world_size(group)
         return tensor
@@ -121,16 +127,18 @@ class FSDPEngine:
     def barrier(self) -> None:
         if not _distributed():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+        with self.guard("barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         if not _distributed():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        with self.guard("broadcast"):
+            dist.broadcast_object_list(box, src)
         return box[0]
 
 

@@ -222,6 +222,14 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
 
     # --- training-step helpers ------------------------------------------------------------------------------
 
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        with self._engine.guard("backward"):
+            super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        with self._engine.guard("optimizer step"):
+            return super().optimizer_step(optimizer, **kwargs)
+
     def clip_gradients_norm(
         self,
         module: Module,

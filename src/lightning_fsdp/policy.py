@@ -184,6 +184,11 @@ def _select_legacy(root: nn.Module, fn: Callable[..., bool]) -> list[nn.Module]:
     chosen: list[nn.Module] = []
 
     def visit(module: nn.Module) -> int:
+        # FSDP1 first asks whether to look inside a module at all (`recurse=True`); a "no" keeps the module whole,
+        # e.g. size_based_auto_wrap_policy's force-leaf nn.MultiheadAttention, which reads its children's weights.
+        total = sum(p.numel() for p in module.parameters())
+        if not fn(module, True, total):
+            return total
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         remaining += sum(visit(child) for child in module.children())
         if fn(module, False, remaining):

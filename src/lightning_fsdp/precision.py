@@ -17,7 +17,7 @@ parameters; autocast on the real device type keeps numerically sensitive ops (so
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Literal, Optional, cast
 
 import torch
@@ -32,6 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.errors import bad_argument
+from lightning_fsdp.failures import explain_collective_failure
 
 __all__ = ["FSDPPrecision", "PrecisionName", "SUPPORTED_PRECISION", "DTensorGradScaler", "as_fsdp_precision"]
 
@@ -42,7 +43,7 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 
 
 def _parse_precision(value: Any) -> str:
-    name = _ALIASES.get(value, value)
+    name = _ALIASES.get(value, value) if isinstance(value, (str, int)) else value
     if name in SUPPORTED_PRECISION:
         return cast(str, name)
     raise ValueError(
@@ -147,9 +148,15 @@ class FSDPPrecision(Precision):
         return self.tensor_init_context()
 
     def forward_context(self) -> AbstractContextManager:
+        # Forward is where FSDP all-gathers parameters, and this context is the one hook Lightning wraps around it,
+        # so a failed all-gather is explained here too.
+        stack = ExitStack()
+        stack.enter_context(explain_collective_failure("forward"))
         if self.is_mixed:
-            return torch.autocast(self.device_type, dtype=self.low_dtype)
-        return self.tensor_init_context()
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.low_dtype))
+        else:
+            stack.enter_context(self.tensor_init_context())
+        return stack
 
     def convert_input(self, data: Any) -> Any:
         if self.is_true_half:

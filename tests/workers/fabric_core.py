@@ -168,7 +168,7 @@ def units_match_each_policy_form():
         "dotted": (["models.Block"], BLOCKS),
         "dotted_str": ("models.Block", BLOCKS),
         "callable": (lambda m: isinstance(m, nn.Linear) and m.out_features == 32, ["head"]),
-        "legacy": (lambda module, recurse, nonwrapped_numel: isinstance(module, nn.Embedding), ["embed"]),
+        "legacy": (lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, nn.Embedding), ["embed"]),
         "module_wrap_policy": (ModuleWrapPolicy({Block}), BLOCKS),
         # Each Block holds 3,280 parameters; the MLP inside it 2,128; the head 544. A 3,000 threshold takes the
         # blocks and nothing smaller.

@@ -1,0 +1,49 @@
+"""Turning a failed collective into an error a user can act on.
+
+When a rank dies or hangs, the survivors see a backend error such as gloo's "Connection reset by peer" or "Timed
+out waiting 5000ms". Those name neither the rank that raised nor the cause nor the setting that bounds the wait.
+:func:`explain_collective_failure` re-raises them as :class:`CollectiveFailure`, which does, and keeps the original
+as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveFailure", "explain_collective_failure"]
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed because another rank died, hung or diverged."""
+
+
+@contextmanager
+def explain_collective_failure(phase: str, timeout: Optional[timedelta] = None) -> Iterator[None]:
+    try:
+        yield
+    except CollectiveFailure:
+        raise
+    except dist.DistError as err:
+        raise CollectiveFailure(_message(phase, timeout, err)) from err
+    except RuntimeError as err:
+        # Some backends (gloo among them) raise plain RuntimeErrors from their transport layer.
+        text = str(err)
+        if any(mark in text for mark in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out")):
+            raise CollectiveFailure(_message(phase, timeout, err)) from err
+        raise
+
+
+def _message(phase: str, timeout: Optional[timedelta], err: BaseException) -> str:
+    where = f"Rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "This rank"
+    limit = f"timeout={timeout}" if timeout is not None else "the process group's timeout"
+    return (
+        f"{where}: a collective in {phase} failed, so another rank has most likely died, hung, or run a different"
+        f" sequence of collectives; waits are bounded by {limit}. The first error is usually in another rank's log."
+        f" HINT: fix that rank's error; if a rank is only slow (e.g. a long save), raise `FSDPStrategy(timeout=...)`."
+        f" Backend error: {str(err).strip()}"
+    )

@@ -1,0 +1,56 @@
+"""One rank dies (or hangs) mid-step; the survivor must fail with an error within the configured timeout.
+
+Started by ``tests/test_dead_rank.py`` as two plain processes (not torchrun, which would kill the survivor
+itself as soon as a worker dies). The survivor records what it raised and how long it waited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from common import loss_fn, make_fabric
+from models import TinyTransformer, make_batch
+
+MODE = os.environ["LFSDP_DEAD_MODE"]  # "die" or "hang"
+TIMEOUT_S = float(os.environ["LFSDP_DEAD_TIMEOUT"])
+OUT = Path(os.environ["LFSDP_TEST_OUT"])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    fabric = make_fabric(2, timeout=timedelta(seconds=TIMEOUT_S))
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
+    opt.step()
+    fabric.barrier()
+    if fabric.global_rank == 1:
+        if MODE == "die":
+            os._exit(3)
+        time.sleep(10 * TIMEOUT_S + 60)
+        return
+    start = time.monotonic()
+    record = {"raised": None}
+    try:
+        fabric.backward(loss_fn(model, make_batch(1, 0)))
+        opt.step()
+        fabric.barrier()
+    except BaseException as err:  # noqa: BLE001 - any exception is what we want to see
+        record = {"raised": type(err).__name__, "message": str(err)[:2000]}
+    record["elapsed_s"] = time.monotonic() - start
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"survivor_{MODE}.json").write_text(json.dumps(record))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
