@@ -15,7 +15,16 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveFailure", "explain_collective_failure"]
+__all__ = ["CollectiveFailure", "explain_collective_failure", "remember_timeout"]
+
+# The default process group's timeout, recorded when the engine creates it: the forward pass is explained from the
+# precision plugin, which has no handle on the strategy's settings.
+_process_group_timeout: Optional[timedelta] = None
+
+
+def remember_timeout(timeout: Optional[timedelta]) -> None:
+    global _process_group_timeout
+    _process_group_timeout = timeout
 
 
 class CollectiveFailure(RuntimeError):
@@ -40,6 +49,7 @@ def explain_collective_failure(phase: str, timeout: Optional[timedelta] = None) 
 
 def _message(phase: str, timeout: Optional[timedelta], err: BaseException) -> str:
     where = f"Rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "This rank"
+    timeout = timeout if timeout is not None else _process_group_timeout
     limit = f"timeout={timeout}" if timeout is not None else "the process group's timeout"
     return (
         f"{where}: a collective in {phase} failed, so another rank has most likely died, hung, or run a different"

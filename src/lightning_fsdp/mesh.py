@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
 from lightning_fsdp.errors import bad_argument
+from lightning_fsdp.failures import remember_timeout
 
 __all__ = ["ClusterInfo", "default_backend", "init_process_group", "build_mesh", "SHARD_AXIS", "REPLICATE_AXIS"]
 
@@ -52,6 +53,7 @@ def init_process_group(
     share it)."""
     if dist.is_initialized():
         return
+    remember_timeout(timeout)
     os.environ["MASTER_ADDR"] = cluster.main_address
     os.environ["MASTER_PORT"] = str(cluster.main_port)
     kwargs = {"timeout": timeout} if timeout is not None else {}
