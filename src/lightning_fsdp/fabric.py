@@ -45,8 +45,8 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
 
     Args:
         accelerator, parallel_devices, cluster_environment: set by Fabric; rarely passed by hand.
-        precision: a precision plugin or name (``"bf16-mixed"``, ...). ``Fabric(precision=...)`` takes precedence
-            unless it is the default ``"32-true"``.
+        precision: a precision plugin or name (``"bf16-mixed"``, ...). Usually set with ``Fabric(precision=...)``;
+            when given here, Lightning's connector uses it and ignores ``Fabric(precision=...)``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
         timeout: how long a collective waits for a missing rank before failing.
         cpu_offload: ``True`` or a ``CPUOffloadPolicy``: keep sharded parameters, gradients and optimizer state in
@@ -104,7 +104,6 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
             cluster_environment=cluster_environment,
             precision=own_precision,
         )
-        self._explicit_precision = own_precision is not None
         self._engine = FSDPEngine(config, process_group_backend, timeout)
         self._num_nodes = 1
         self._backward_sync_control = _EngineBackwardSyncControl(self._engine)
@@ -137,19 +136,9 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
-        incoming = as_fsdp_precision(precision) if precision is not None else None
-        current = getattr(self, "_precision", None)
-        # Fabric always hands over a plugin, "32-true" when the user chose nothing. Keep a precision given to the
-        # strategy itself in that case; any other disagreement is the user's to settle.
-        if getattr(self, "_explicit_precision", False) and isinstance(current, FSDPPrecision) and incoming is not None:
-            if incoming.precision == "32-true" or incoming.precision == current.precision:
-                return
-            raise ValueError(
-                f"Invalid `precision={current.precision!r}` on the strategy together with `Fabric(precision="
-                f"{incoming.precision!r})`. Allowed: one precision setting. HINT: set it in one place only, e.g."
-                f" `Fabric(precision={current.precision!r})`."
-            )
-        self._precision = incoming
+        # Lightning's connector hands over either the plugin given to this strategy or one it built from
+        # `Fabric(precision=...)`; both are translated to their FSDP2 meaning.
+        self._precision = as_fsdp_precision(precision) if precision is not None else None
 
     @property
     def root_device(self) -> torch.device:
