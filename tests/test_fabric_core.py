@@ -15,6 +15,8 @@ CASES = [
     "parity_reshard_after_forward_override",
     "parity_bf16_mixed",
     "parity_16_mixed_with_loss_scaler",
+    "clip_gradients_norm_unscales_first_under_16_mixed",
+    "true_half_precisions_store_low_dtype_shards",
     "loss_scaler_skips_step_on_every_rank_when_one_rank_overflows",
     "sharding_is_real",
     "units_match_each_policy_form",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -160,11 +161,14 @@ class FSDPPrecision(Precision):
 
     def convert_input(self, data: Any) -> Any:
         if self.is_true_half:
-            return _convert_fp_tensor(data, self.low_dtype)
+            return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=self.low_dtype)
         return data
 
     def convert_output(self, data: Any) -> Any:
-        return _convert_fp_tensor(data, torch.get_default_dtype())
+        # Outputs come back in the default dtype, as with Lightning's own plugins, so losses are reduced in fp32.
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=torch.get_default_dtype())
 
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         # Lightning ignores what `pre_backward` returns, so the loss is scaled here, right before autograd runs.

@@ -101,6 +101,37 @@ def parity_16_mixed_with_loss_scaler():
 
 
 @case
+def clip_gradients_norm_unscales_first_under_16_mixed():
+    scaler = DTensorGradScaler("cpu", init_scale=2.0**8)
+    fabric = make_fabric(WORLD, plugins=[FSDPPrecision("16-mixed", scaler=scaler)])
+    model, losses, norms = fsdp_run(fabric, 2, make_optimizer=plain_sgd, max_norm=0.5)
+    reference, ref_losses, ref_norms = reference_run(2, WORLD, plain_sgd, autocast_dtype=torch.float16, max_norm=0.5)
+    # Without unscaling, the norm would be 256 times the reference.
+    for got, expected in zip(norms, ref_norms):
+        assert abs(got - expected) <= 1e-2 * expected, (norms, ref_norms)
+    return {"norms": norms, "reference": ref_norms}
+
+
+@case
+def true_half_precisions_store_low_dtype_shards():
+    report = {}
+    for name, dtype in (("bf16-true", torch.bfloat16), ("16-true", torch.float16)):
+        fabric = make_fabric(WORLD, plugins=[FSDPPrecision(name)])
+        with fabric.init_module():
+            plain = TinyTransformer()
+        assert all(p.dtype == dtype for p in plain.parameters()), name
+        model, opt = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+        assert all(p.to_local().dtype == dtype for p in model.parameters()), name
+        before = full_params(model)
+        fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
+        opt.step()
+        after = full_params(model)
+        assert any(not torch.equal(before[k], after[k]) for k in before), f"{name}: nothing trained"
+        report[name] = str(dtype)
+    return report
+
+
+@case
 def loss_scaler_skips_step_on_every_rank_when_one_rank_overflows():
     # Given to the strategy: `Fabric(precision="16-mixed")` itself turns fp16 into bf16 on CPU.
     fabric = make_fabric(WORLD, plugins=[FSDPPrecision("16-mixed")])
