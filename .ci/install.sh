@@ -52,5 +52,6 @@ pip_install ${TORCH_PIP_ARGS:-} "torch==$TORCH_VERSION"
 echo "[install] lightning-fsdp (editable) with test extras, constrained by .ci/constraints.txt"
 pip_install -c "$CONSTRAINTS" -e ".[test]"
 
-"$PY" -c "import torch, lightning, lightning_fsdp; print(f'[install] ok: torch {torch.__version__}, lightning {lightning.__version__}, lightning-fsdp {lightning_fsdp.__version__}')"
+"$PY" -c "import torch, lightning, lightning_fsdp as lf; print(f'[install] ok: torch {torch.__version__},' \
+    f' lightning {lightning.__version__}, lightning-fsdp {lf.__version__}')"
 echo "$fingerprint" > "$STAMP"

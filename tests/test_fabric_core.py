@@ -26,6 +26,8 @@ CASES = [
     "joint_setup_remaps_optimizer_and_trains",
     "separate_setup_trains",
     "meta_init_materializes_shards_and_trains",
+    "meta_init_gives_each_shard_its_own_values",
+    "save_and_load_after_a_forward_without_backward",
     "joint_setup_refuses_optimizer_with_state",
     "gradient_accumulation_with_no_backward_sync",
     "clip_gradients_norm_matches_reference",

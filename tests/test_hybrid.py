@@ -12,6 +12,7 @@ CASES = [
     "parity_hybrid_shard_zero2",
     "parity_no_shard_four_ranks",
     "hybrid_accumulation_in_both_no_sync_modes",
+    "meta_init_replicas_agree_and_shards_differ",
 ]
 
 

@@ -105,6 +105,8 @@ def shard_model(
     reshard = config.reshard_after_forward
     if reshard is None:
         reshard = config.sharding_strategy.default_reshard_after_forward
+    # Named now: `fully_shard` swaps each unit's class for an `FSDP<Name>` subclass.
+    summary = describe_units([m for m in blocks or existing_units if m is not module])
     # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
     for unit in reversed(_through_checkpoint_wrappers(module, blocks)):
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
@@ -112,9 +114,9 @@ def shard_model(
         fully_shard(module, reshard_after_forward=reshard, **kwargs)
 
     if has_meta_tensors(module):
-        _materialize(module, device, params_on_cpu=config.cpu_offload)
+        _materialize(module, mesh, device, params_on_cpu=config.cpu_offload)
     units = [m for m in _fsdp_units(module) if m is not module]
-    return ShardedModel(module=module, units=units, summary=describe_units(blocks or existing_units))
+    return ShardedModel(module=module, units=units, summary=summary)
 
 
 def remap_optimizer(optimizer: Optimizer, owners: ParameterOwners) -> None:
@@ -264,11 +266,37 @@ def _offload_policy_for(config: FSDPConfig, device: torch.device):
     return policy
 
 
-def _materialize(module: nn.Module, device: torch.device, params_on_cpu: bool) -> None:
+def _materialize(module: nn.Module, mesh: DeviceMesh, device: torch.device, params_on_cpu: bool) -> None:
     """Allocate the (already sharded) meta tensors and run each module's ``reset_parameters``.
 
     Sharding happened first, so ``to_empty`` allocates local shards only: no rank ever holds the full model.
     """
+    with _per_shard_random_init(mesh, device):
+        _allocate_and_reset(module, device, params_on_cpu)
+
+
+@contextmanager
+def _per_shard_random_init(mesh: DeviceMesh, device: torch.device) -> Iterator[None]:
+    """Give each shard its own random stream while parameters are initialized on a CPU mesh.
+
+    On CUDA, DTensor's random ops keep one seed across ranks and offset it per shard. On a CPU mesh they fall back to
+    the plain generator, so every rank would fill its shard with the same numbers (rank 1's rows repeating rank 0's).
+    Seeding by the coordinate along the shard axis keeps replicas (hybrid sharding, NO_SHARD) identical while shards
+    differ. The global generator is restored afterwards, minus the one draw that picks the base seed.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    base = int(torch.randint(0, 2**31, (1,)).item())  # the same on every rank that was seeded alike
+    shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base + shard_coordinate)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")
+            yield
+
+
+def _allocate_and_reset(module: nn.Module, device: torch.device, params_on_cpu: bool) -> None:
     module.to_empty(device="cpu" if params_on_cpu else device)
     if params_on_cpu and device.type != "cpu":
         # Offloaded parameters stay on the host, but buffers take part in compute and belong on the device.
@@ -281,7 +309,8 @@ def _materialize(module: nn.Module, device: torch.device, params_on_cpu: bool) -
     for sub in module.modules():
         if not any(True for _ in _direct_tensors(sub)):
             continue
-        reset = getattr(sub, "reset_parameters", None)
+        # torch's own nn.MultiheadAttention names its initializer `_reset_parameters`.
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if callable(reset):
             with torch.no_grad():
                 reset()

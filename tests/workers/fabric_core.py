@@ -333,6 +333,38 @@ def meta_init_materializes_shards_and_trains():
 
 
 @case
+def meta_init_gives_each_shard_its_own_values():
+    fabric = make_fabric(WORLD)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    weight = full(model.module.blocks[0].mlp[0].weight)  # (64, 16): rank 0 holds rows 0-31, rank 1 rows 32-63
+    top, bottom = weight[:32], weight[32:]
+    assert not torch.equal(top, bottom), "both ranks initialized their shard with the same random numbers"
+    return {"max_abs": weight.abs().max().item()}
+
+
+@case
+def save_and_load_after_a_forward_without_backward():
+    import tempfile
+    from pathlib import Path
+
+    fabric = make_fabric(WORLD)
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
+    opt.step()
+    with torch.no_grad():  # evaluation leaves the root unit unsharded
+        model(make_batch(1, fabric.global_rank)[:, :-1])
+    path = Path(fabric.broadcast(tempfile.mkdtemp())) / "after-eval"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fabric.load(path, {"model": model, "optimizer": opt})
+    return str(path)
+
+
+@case
 def joint_setup_refuses_optimizer_with_state():
     fabric = make_fabric(WORLD)
     torch.manual_seed(0)

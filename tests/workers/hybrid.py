@@ -89,5 +89,23 @@ def hybrid_accumulation_in_both_no_sync_modes():
     return report
 
 
+@case
+def meta_init_replicas_agree_and_shards_differ():
+    import torch.distributed as dist
+
+    fabric = _fabric(sharding_strategy="HYBRID_SHARD", **MESH)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    weights = {k: full(v) for k, v in model.state_dict().items()}
+    sums = [None] * WORLD
+    dist.all_gather_object(sums, {k: v.double().sum().item() for k, v in weights.items()})
+    assert all(s == sums[0] for s in sums), "replicas initialized the same shard differently"
+    w = weights["blocks.0.mlp.0.weight"]
+    assert not torch.equal(w[:32], w[32:]), "both shards got the same random numbers"
+    return {"checksum": sums[0]["blocks.0.mlp.0.weight"]}
+
+
 if __name__ == "__main__":
     run_cases()

@@ -28,6 +28,10 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
 
+    def reset_parameters(self) -> None:
+        # Only the parameter this module owns directly; submodules reset their own (needed for meta-device init).
+        nn.init.zeros_(self.pos)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -53,6 +54,7 @@ def save_checkpoint(
     target = Path(comm.broadcast(str(path)))
     atomic.check_replaceable(target)
     models, optimizers, metadata = _split(state)
+    _reshard(models)
     if not models:
         raise ValueError(
             "The checkpoint state holds no model that was set up by the strategy. HINT: pass the model like so:"
@@ -119,6 +121,7 @@ def load_checkpoint(
             " HINT: load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     models, optimizers, _ = _split(state)
+    _reshard(models)
     owners = _optimizer_owners(models, optimizers)
     if is_sharded_checkpoint(source):
         metadata = _torch_load(source / METADATA_FILENAME, weights_only) if (source / METADATA_FILENAME).is_file() else {}
@@ -161,6 +164,18 @@ def _load_raw_module(source: Path, module: Module, *, strict: bool, weights_only
     contents = _torch_load(source, weights_only)
     weights = contents.get("model", contents) if isinstance(contents, dict) else contents
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _reshard(models: dict[str, Module]) -> None:
+    """Put every unit back into its sharded state.
+
+    After a forward without backward (evaluation, sampling), the root unit keeps its parameters unsharded, and
+    ``parameters()`` then returns plain tensors that neither the optimizer nor the state-dict API know.
+    """
+    for module in models.values():
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 def _split(state: dict[str, Any]) -> tuple[dict[str, Module], dict[str, Optimizer], dict[str, Any]]:
