@@ -73,6 +73,8 @@ def save_checkpoint(
     staged = atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
     is_writer = comm.global_rank == 0
     try:
+        if is_writer:
+            target.parent.mkdir(parents=True, exist_ok=True)
         if full:
             if is_writer:
                 torch.save({**tensors, **metadata}, staged)
