@@ -13,6 +13,7 @@ CASES = [
     "parity_no_shard_activation_checkpointing",
     "parity_cpu_offload",
     "parity_reshard_after_forward_override",
+    "mixed_precision_policy_overrides_the_precision_setting",
     "parity_bf16_mixed",
     "parity_16_mixed_with_loss_scaler",
     "clip_gradients_norm_unscales_first_under_16_mixed",

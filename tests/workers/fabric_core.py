@@ -25,10 +25,18 @@ ATOL = 1e-5
 
 
 def _parity(**strategy_kwargs):
+    from lightning_fsdp._compat import CheckpointWrapper
+
     fabric = make_fabric(WORLD, **strategy_kwargs)
     model, losses, _ = fsdp_run(fabric, STEPS)
     reference, ref_losses, _ = reference_run(STEPS, WORLD, sgd)
-    return compare(model, reference, losses, ref_losses, ATOL)
+    result = compare(model, reference, losses, ref_losses, ATOL)
+    checkpointed = [n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
+    if "activation_checkpointing_policy" in strategy_kwargs:
+        assert len(checkpointed) == 2, f"expected both blocks checkpointed, got {checkpointed}"
+    else:
+        assert not checkpointed, checkpointed
+    return {**result, "checkpointed": len(checkpointed)}
 
 
 @case
@@ -69,6 +77,24 @@ def parity_cpu_offload():
 @case
 def parity_reshard_after_forward_override():
     return _parity(sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=True)
+
+
+@case
+def mixed_precision_policy_overrides_the_precision_setting():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fabric = make_fabric(WORLD, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert fabric.strategy.precision.precision == "32-true"
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyTransformer())
+    seen = []
+    model.module.head.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+    model(make_batch(0, fabric.global_rank)[:, :-1])
+    assert seen == [torch.bfloat16], seen  # gathered for compute in bf16 ...
+    model.module.reshard()  # the root unit keeps its gathered parameters after forward
+    sharded = model.module.head.weight
+    assert isinstance(sharded, DTensor) and sharded.dtype == torch.float32  # ... while the shards stay fp32
+    return [str(d) for d in seen]
 
 
 @case
