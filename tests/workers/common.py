@@ -11,7 +11,7 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness import TIMEOUT
+from harness import TIMEOUT, assert_close
 from lightning_fsdp.fabric import FSDPStrategy
 from models import TinyTransformer, make_batch
 
@@ -113,3 +113,38 @@ def compare(model: nn.Module, reference: nn.Module, losses, ref_losses, atol: fl
 
 def deepcopy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def model_and_reference(fabric: Fabric, make_optimizer=sgd):
+    """The same initial model twice: one set up with the strategy, one plain, each with its optimizer."""
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, make_optimizer(plain))
+    torch.manual_seed(0)
+    reference = TinyTransformer()
+    return model, opt, reference, make_optimizer(reference)
+
+
+def max_param_diff(model: nn.Module, reference: nn.Module, atol: float, label: str = "") -> float:
+    expected = reference.state_dict()
+    return max(assert_close(full(v), expected[k], atol, f"{label}{k}") for k, v in model.state_dict().items())
+
+
+def accumulate_three_micro_batches(fabric: Fabric, atol: float, label: str = "") -> float:
+    """Two micro-batches under `no_backward_sync`, then a synced one, against the reference on the global batches."""
+    model, opt, reference, ref_opt = model_and_reference(fabric)
+    for micro in range(3):
+        with fabric.no_backward_sync(model, enabled=micro < 2):
+            fabric.backward(loss_fn(model, make_batch(micro, fabric.global_rank)) / 3)
+        (loss_fn(reference, global_batch(micro, fabric.world_size)) / 3).backward()
+    opt.step()
+    opt.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    diff = max_param_diff(model, reference, atol, label)
+    # Sync is back on after the block: one plain step still matches the reference.
+    fabric.backward(loss_fn(model, make_batch(7, fabric.global_rank)))
+    loss_fn(reference, global_batch(7, fabric.world_size)).backward()
+    opt.step()
+    ref_opt.step()
+    return max(diff, max_param_diff(model, reference, atol, label))

@@ -9,13 +9,25 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from common import compare, fsdp_run, full, full_params, global_batch, loss_fn, make_fabric, reference_run, sgd
-from harness import assert_close, case, run_cases
+from common import (
+    accumulate_three_micro_batches,
+    compare,
+    fsdp_run,
+    full,
+    full_params,
+    global_batch,
+    loss_fn,
+    make_fabric,
+    max_param_diff,
+    model_and_reference,
+    reference_run,
+    sgd,
+)
+from harness import case, run_cases
 from lightning_fsdp.precision import DTensorGradScaler, FSDPPrecision
 from models import Block, TinyTransformer, make_batch
 
@@ -408,32 +420,7 @@ def joint_setup_refuses_optimizer_with_state():
 
 @case
 def gradient_accumulation_with_no_backward_sync():
-    fabric = make_fabric(WORLD)
-    torch.manual_seed(0)
-    plain = TinyTransformer()
-    model, opt = fabric.setup(plain, sgd(plain))
-    torch.manual_seed(0)
-    reference = TinyTransformer()
-    ref_opt = sgd(reference)
-    for micro in range(3):
-        batch = make_batch(micro, fabric.global_rank)
-        with fabric.no_backward_sync(model, enabled=micro < 2):
-            fabric.backward(loss_fn(model, batch) / 3)
-        (loss_fn(reference, global_batch(micro, WORLD)) / 3).backward()
-    opt.step()
-    opt.zero_grad()
-    ref_opt.step()
-    ref_opt.zero_grad()
-    diff = max(
-        assert_close(full(v), reference.state_dict()[k], ATOL, k) for k, v in model.state_dict().items()
-    )
-    # Sync is back on after the block: one plain step still matches the reference.
-    fabric.backward(loss_fn(model, make_batch(7, fabric.global_rank)))
-    loss_fn(reference, global_batch(7, WORLD)).backward()
-    opt.step()
-    ref_opt.step()
-    after = max(assert_close(full(v), reference.state_dict()[k], ATOL, k) for k, v in model.state_dict().items())
-    return {"accumulated_diff": diff, "synced_after_diff": after}
+    return {"max_diff": accumulate_three_micro_batches(make_fabric(WORLD), ATOL)}
 
 
 @case
@@ -450,12 +437,7 @@ def clip_gradients_norm_matches_reference():
 @case
 def clip_gradients_value_matches_reference():
     fabric = make_fabric(WORLD)
-    torch.manual_seed(0)
-    plain = TinyTransformer()
-    model, opt = fabric.setup(plain, sgd(plain))
-    torch.manual_seed(0)
-    reference = TinyTransformer()
-    ref_opt = sgd(reference)
+    model, opt, reference, ref_opt = model_and_reference(fabric)
     fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
     fabric.clip_gradients(model, opt, clip_val=0.01)
     loss_fn(reference, global_batch(0, WORLD)).backward()
@@ -464,8 +446,7 @@ def clip_gradients_value_matches_reference():
     opt.step()
     ref_opt.step()
     assert clipped > 0, "no gradient element exceeded the clip value"
-    diff = max(assert_close(full(v), reference.state_dict()[k], ATOL, k) for k, v in model.state_dict().items())
-    return {"diff": diff, "clipped_elements": clipped}
+    return {"diff": max_param_diff(model, reference, ATOL), "clipped_elements": clipped}
 
 
 @case

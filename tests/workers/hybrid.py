@@ -12,9 +12,9 @@ import os
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from common import compare, fsdp_run, full, global_batch, loss_fn, make_fabric, reference_run, sgd
-from harness import assert_close, case, run_cases
-from models import TinyTransformer, make_batch
+from common import accumulate_three_micro_batches, compare, fsdp_run, full, make_fabric, reference_run, sgd
+from harness import case, run_cases
+from models import TinyTransformer
 
 WORLD = 4
 STEPS = 5
@@ -71,21 +71,7 @@ def hybrid_accumulation_in_both_no_sync_modes():
     report = {}
     for mode in ("skip_all", "reduce_scatter_only"):
         fabric = _fabric(sharding_strategy="HYBRID_SHARD", hybrid_no_sync=mode, **MESH)
-        torch.manual_seed(0)
-        plain = TinyTransformer()
-        model, opt = fabric.setup(plain, sgd(plain))
-        torch.manual_seed(0)
-        reference = TinyTransformer()
-        ref_opt = sgd(reference)
-        for micro in range(3):
-            with fabric.no_backward_sync(model, enabled=micro < 2):
-                fabric.backward(loss_fn(model, make_batch(micro, fabric.global_rank)) / 3)
-            (loss_fn(reference, global_batch(micro, WORLD)) / 3).backward()
-        opt.step()
-        ref_opt.step()
-        report[mode] = max(
-            assert_close(full(v), reference.state_dict()[k], 1e-5, f"{mode}:{k}") for k, v in model.state_dict().items()
-        )
+        report[mode] = accumulate_three_micro_batches(fabric, 1e-5, label=f"{mode}:")
     return report
 
 
