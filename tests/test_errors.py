@@ -445,3 +445,23 @@ def test_policies_accepted():
     # Duplicates (the class and its dotted name) collapse, order is kept.
     assert config.auto_wrap_policy.classes == (nn.TransformerEncoderLayer, nn.Linear)
     assert config.activation_checkpointing_policy.classes == (nn.TransformerEncoderLayer,)
+
+
+def test_unknown_keyword_argument_is_a_clear_type_error():
+    with pytest.raises(TypeError) as info:
+        FSDPStrategy(sharding_stratgy="FULL_SHARD")
+    check_message(info.value, "sharding_stratgy", "'FULL_SHARD'", "use_orig_params", "help(FSDPStrategy)")
+
+
+def test_fsdp1_keyword_arguments_warn_and_are_ignored():
+    with pytest.warns(UserWarning, match="`sync_module_states=True` is an FSDP1 argument and is ignored"):
+        strategy = FSDPStrategy(sync_module_states=True)
+    assert strategy.config.sharding_strategy.value == "FULL_SHARD"
+
+
+def test_a_configured_scaler_is_kept_when_translating_lightning_plugins():
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    translated = as_fsdp_precision(MixedPrecision("16-mixed", device="cpu", scaler=scaler))
+    assert translated.precision == "16-mixed" and translated.scaler is scaler

@@ -25,6 +25,7 @@ __all__ = [
     "MeshInput",
     "HybridNoSync",
     "StateDictType",
+    "check_fsdp1_kwargs",
 ]
 
 
@@ -116,6 +117,42 @@ class FSDPConfig:
             state_dict_type=_parse_choice("state_dict_type", state_dict_type, _STATE_DICT_ALLOWED),
             device_mesh=_parse_device_mesh(device_mesh, strategy),
             hybrid_no_sync=_parse_hybrid_no_sync(hybrid_no_sync, strategy),
+        )
+
+
+# Keyword arguments Lightning's FSDP1 strategy forwards to `FullyShardedDataParallel`. They have no FSDP2
+# counterpart, or FSDP2 always behaves as they ask, so they are accepted (configs keep working) and ignored with a
+# warning that says why.
+_FSDP1_KWARGS = {
+    "use_orig_params": "FSDP2 always keeps the original parameters",
+    "sync_module_states": "replicas are always synchronized at setup",
+    "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by itself",
+    "forward_prefetch": "FSDP2 prefetches by itself",
+    "backward_prefetch": "FSDP2 prefetches by itself",
+    "device_id": "the device comes from the accelerator",
+    "param_init_fn": "use `init_module(empty_init=True)` and `reset_parameters()` instead",
+    "ignored_states": "not supported by this strategy",
+    "ignored_modules": "not supported by this strategy",
+}
+
+
+def check_fsdp1_kwargs(kwargs: dict[str, Any]) -> None:
+    """Warn about FSDP1-only keyword arguments and refuse anything else unknown."""
+    for key in kwargs:
+        if key not in _FSDP1_KWARGS:
+            raise TypeError(
+                bad_argument(
+                    key, kwargs[key],
+                    "the documented arguments, plus these FSDP1 keywords (accepted and ignored): "
+                    + ", ".join(sorted(_FSDP1_KWARGS)),
+                    "Check the spelling against `help(FSDPStrategy)`.",
+                    problem=f"`{key}` is not an argument of this strategy",
+                )
+            )
+        warnings.warn(
+            f"`{key}={kwargs[key]!r}` is an FSDP1 argument and is ignored: {_FSDP1_KWARGS[key]}.",
+            UserWarning,
+            stacklevel=4,
         )
 
 
@@ -243,7 +280,16 @@ def _parse_device_mesh(value: Any, strategy: ShardingStrategy) -> Optional[Union
                     " 'shard'))`, or pass the tuple `(num_nodes, devices)`.",
                 )
             )
-        if not strategy.is_hybrid and value.ndim != 1:
+        if strategy is ShardingStrategy.NO_SHARD:
+            if value.ndim != 2 or value.size(1) != 1:
+                raise ValueError(
+                    bad_argument(
+                        "device_mesh", value, "for NO_SHARD, a 2-D DeviceMesh of shape (world_size, 1), or None",
+                        "Drop `device_mesh`: NO_SHARD replicates over every rank by itself.",
+                        problem="Any other mesh would shard parameters, which NO_SHARD must not do",
+                    )
+                )
+        elif not strategy.is_hybrid and value.ndim != 1:
             raise ValueError(_mesh_needs_hybrid(value, strategy))
         return value
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(v) for v in value):

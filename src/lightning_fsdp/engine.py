@@ -8,9 +8,8 @@ calls the owners of each concept: :mod:`~lightning_fsdp.mesh`, :mod:`~lightning_
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any, Optional, TypeVar, Union
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -25,11 +25,9 @@ from lightning_fsdp import grads, sharding
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.failures import explain_collective_failure
 from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
-from lightning_fsdp.precision import FSDPPrecision
 
 __all__ = ["FSDPEngine"]
 
-log = logging.getLogger("lightning_fsdp")
 T = TypeVar("T")
 
 
@@ -44,6 +42,9 @@ class FSDPEngine:
         self.device = torch.device("cpu")
         self.global_rank = 0
         self.world_size = 1
+        self.last_summary = ""
+        self._owners: list[sharding.ParameterOwners] = []
+        self._no_sync_depth = 0
 
     # --- process group and mesh -------------------------------------------------------------------------
 
@@ -51,8 +52,8 @@ class FSDPEngine:
     def mesh(self) -> DeviceMesh:
         if self._mesh is None:
             raise RuntimeError(
-                "The device mesh does not exist before the processes are set up. HINT: call `fabric.launch()` (or let"
-                " the Trainer start) before using the strategy's mesh."
+                "The device mesh does not exist before the processes are set up. HINT: use the strategy's mesh only"
+                " after launch (Fabric: after `fabric.launch()`; Trainer: from `configure_model` on)."
             )
         return self._mesh
 
@@ -67,39 +68,53 @@ class FSDPEngine:
     # --- model and optimizers -----------------------------------------------------------------------------
 
     def setup_module(
-        self, module: Module, precision: FSDPPrecision, optimizers: Sequence[Optimizer] = ()
+        self, module: Module, mp_policy: Optional[MixedPrecisionPolicy], optimizers: Sequence[Optimizer] = ()
     ) -> Module:
-        """Shard ``module`` in place and point ``optimizers`` (created before setup) at the sharded parameters."""
+        """Shard ``module`` in place and point ``optimizers`` (created before setup) at the sharded parameters.
+
+        ``mp_policy`` is what the precision setting implies; the strategy's own ``mixed_precision`` overrides it.
+        """
         owners = sharding.ParameterOwners(module)
-        module = precision.convert_module(module)
-        mp_policy = self.config.mixed_precision or precision.mixed_precision_policy()
-        result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy)
+        self._owners.append(owners)
+        result = sharding.shard_model(module, self.config, self.mesh, self.device, self.config.mixed_precision or mp_policy)
         _move_metrics_to_device(module, self.device)
         for optimizer in optimizers:
-            sharding.remap_optimizer(optimizer, owners)
-        if self.global_rank == 0:
-            log.info(f"FSDP units: {result.summary} on mesh {_mesh_summary(self.mesh)}")
+            sharding.remap_optimizer(optimizer, self._owners)
+        self.last_summary = f"FSDP units: {result.summary} on mesh {_mesh_summary(self.mesh)}"
         return module
 
-    def check_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Separate setup: the optimizer must have been created from the already sharded parameters."""
-        if any(getattr(p, "is_meta", False) for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(
-                "The optimizer references parameters on the meta device. HINT: create the optimizer after"
-                " `fabric.setup_module(model)`, or set both up together with `fabric.setup(model, optimizer)`."
-            )
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Separate setup. An optimizer built before its model was set up is remapped like in joint setup; one that
+        holds parameters of no set-up model is refused, since it would train nothing."""
+        sharding.remap_optimizer(optimizer, self._owners)
         return optimizer
 
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+    @contextmanager
+    def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
+        # Only the outermost block switches communication off and on again, so nested blocks (a loop inside a
+        # helper that also accumulates) do not turn sync back on early.
+        if not enabled or self._no_sync_depth:
+            self._no_sync_depth += enabled
+            try:
+                yield
+            finally:
+                self._no_sync_depth -= enabled
+            return
         reduce_scatter_only = (
             self.config.hybrid_no_sync == "reduce_scatter_only" and self.config.sharding_strategy.is_hybrid
         )
-        return sharding.no_backward_sync(module, enabled, reduce_scatter_only)
+        self._no_sync_depth += 1
+        try:
+            with sharding.no_backward_sync(module, reduce_scatter_only):
+                yield
+        finally:
+            self._no_sync_depth -= 1
 
     def clip_gradients_norm(
         self, optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> Tensor:
-        return grads.clip_grad_norm(_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        with self.guard("gradient clipping"):
+            return grads.clip_grad_norm(_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     def clip_gradients_value(self, optimizer: Optimizer, clip_val: float) -> None:
         grads.clip_grad_value(_params(optimizer), clip_val)
@@ -115,13 +130,14 @@ class FSDPEngine:
             return tensor
         op = _reduce_op(reduce_op)
         mean = op is None
-        # gloo has no AVG: sum, then divide. Integer tensors are promoted so the mean is exact.
+        # gloo has no AVG: sum, then divide. The result stays in the tensor passed in, as with Lightning's own
+        # strategies; integer tensors cannot hold a mean, so they are promoted to a new float tensor first.
         if mean and not tensor.is_floating_point():
             tensor = tensor.to(torch.get_default_dtype())
         with self.guard("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else op, group=group)
         if mean:
-            tensor = tensor / dist.get_world_size(group)
+            tensor.div_(dist.get_world_size(group))
         return tensor
 
     def barrier(self) -> None:

@@ -19,7 +19,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import checkpoint
-from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
+from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType, check_fsdp1_kwargs
 from lightning_fsdp.engine import FSDPEngine
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
@@ -64,6 +64,8 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips
             every gradient collective; ``"reduce_scatter_only"`` still reduce-scatters inside each shard group, which
             keeps gradients sharded, and skips only the all-reduce across replicas.
+        **kwargs: FSDP1 keywords of Lightning's strategy (``use_orig_params``, ``limit_all_gathers``, ...) are
+            accepted and ignored with a warning; anything else is a ``TypeError``.
     """
 
     def __init__(
@@ -84,7 +86,9 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         device_mesh: Optional[MeshInput] = None,
         reshard_after_forward: Optional[Union[bool, int]] = None,
         hybrid_no_sync: HybridNoSync = "skip_all",
+        **kwargs: Any,
     ) -> None:
+        check_fsdp1_kwargs(kwargs)
         config = FSDPConfig.from_arguments(
             sharding_strategy=sharding_strategy,
             reshard_after_forward=reshard_after_forward,
@@ -185,14 +189,18 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[Module, list[Optimizer], Optional[Any]]:
-        module = self._engine.setup_module(module, self.precision, optimizers)
-        return module, optimizers, scheduler
+        return self._setup(module, optimizers), optimizers, scheduler
 
     def setup_module(self, module: Module) -> Module:
-        return self._engine.setup_module(module, self.precision)
+        return self._setup(module, [])
+
+    def _setup(self, module: Module, optimizers: list[Optimizer]) -> Module:
+        module = self._engine.setup_module(module, self.precision.mixed_precision_policy(), optimizers)
+        rank_zero_info(self._engine.last_summary)
+        return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return self._engine.check_optimizer(optimizer)
+        return self._engine.setup_optimizer(optimizer)
 
     def module_to_device(self, module: Module) -> None:
         pass  # `fully_shard` places the shards on the mesh's device.
@@ -208,6 +216,14 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
     def module_sharded_context(self) -> AbstractContextManager:
         # FSDP2 shards at setup, not at construction; `empty_init=True` is the memory-saving path.
         return nullcontext()
+
+    def teardown(self) -> None:
+        # Lightning's teardown also tears down `checkpoint_io`, which this strategy does not have.
+        self.precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
 
     # --- training-step helpers ------------------------------------------------------------------------------
 

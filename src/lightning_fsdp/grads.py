@@ -1,19 +1,59 @@
 """Gradient clipping over sharded gradients.
 
-A rank holds only shards of each gradient, so a norm computed locally is wrong. The norm is computed on the
-DTensor gradients, which reduces the partial norms across the mesh, and every rank then scales its shards by the
-same factor.
+A rank holds only shards of each gradient, so a norm computed locally is wrong. Each rank computes the partial
+norm of its local shards, the partials are reduced over the mesh axes the gradients are sharded on (never over
+replicate axes, whose copies are identical), and every rank then scales its shards by the same factor.
+
+The partials are computed on plain local tensors: a rank whose shard of a small parameter is empty contributes
+zero, where torch's own norm of an empty tensor raises for ``norm_type=inf`` on that rank alone and leaves the
+others waiting in the collective.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["clip_grad_norm", "clip_grad_value"]
+__all__ = ["clip_grad_norm", "clip_grad_value", "total_grad_norm"]
+
+
+def total_grad_norm(grads: Iterable[Tensor], norm_type: float) -> Tensor:
+    """The norm of all gradients together, identical on every rank, as a float32 scalar."""
+    grads = list(grads)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    inf = math.isinf(norm_type)
+    # One partial per (mesh, sharded axes), since each needs its own reduction.
+    partials: dict[tuple, tuple[Tensor, list]] = {}
+    local_total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        local = _local(grad).detach()
+        if local.numel() == 0:
+            part = torch.zeros((), dtype=torch.float32, device=device)
+        elif inf:
+            part = local.abs().max().float().to(device)
+        else:
+            part = torch.linalg.vector_norm(local.float(), norm_type).pow(norm_type).to(device)
+        if isinstance(grad, DTensor):
+            axes = [i for i, p in enumerate(grad.placements) if isinstance(p, Shard)]
+            key = (id(grad.device_mesh), tuple(axes))
+            if key not in partials:
+                partials[key] = (torch.zeros((), dtype=torch.float32, device=device), [grad.device_mesh, axes])
+            acc = partials[key][0]
+            partials[key] = (torch.maximum(acc, part) if inf else acc + part, partials[key][1])
+        else:
+            local_total = torch.maximum(local_total, part) if inf else local_total + part
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = local_total
+    for acc, (mesh, axes) in partials.values():
+        for axis in axes:
+            dist.all_reduce(acc, op=op, group=mesh.get_group(axis))
+        total = torch.maximum(total, acc) if inf else total + acc
+    return total if inf else total.pow(1.0 / norm_type)
 
 
 def clip_grad_norm(
@@ -21,19 +61,17 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip gradients to ``max_norm`` and return the global norm before clipping, the same on every rank."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
-        return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
-    if isinstance(total, DTensor):
-        # The local result is a partial norm; `full_tensor` reduces it across the shard (and replica) axes.
-        total = total.full_tensor()
+    total = total_grad_norm([p.grad for p in params], norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be"
             " clipped. HINT: pass `error_if_nonfinite=False` to skip this check, or lower the learning rate."
         )
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            local = _local(p.grad)
+            local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
     return total
 
 
@@ -42,5 +80,8 @@ def clip_grad_value(parameters: Iterable[Tensor], clip_value: float) -> None:
     with torch.no_grad():
         for p in parameters:
             if p.grad is not None:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                grad.clamp_(-clip_value, clip_value)
+                _local(p.grad).clamp_(-clip_value, clip_value)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -88,10 +88,6 @@ def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_no
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=(SHARD_AXIS,))
 
 
-def shard_axis_size(mesh: DeviceMesh) -> int:
-    return mesh.size(mesh.ndim - 1)
-
-
 def _mismatch(value: Union[tuple, DeviceMesh], shape: tuple, world_size: int, num_nodes: int) -> str:
     sizes = " x ".join(str(s) for s in shape)
     return bad_argument(

@@ -23,7 +23,6 @@ from typing import Any, Literal, Optional, cast
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.types import Optimizable
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp._compat import DtypeContextManager, convert_fp_tensor
 from lightning_fsdp.errors import bad_argument
 from lightning_fsdp.failures import explain_collective_failure
 
@@ -57,10 +57,12 @@ def _parse_precision(value: Any) -> str:
 
 
 class DTensorGradScaler(torch.amp.GradScaler):
-    """A loss scaler for sharded gradients.
+    """The default loss scaler for ``16-mixed``.
 
-    Each rank only sees its own shards, so an overflow can show up on one rank alone. The found-inf flag is
-    therefore all-reduced across every rank before the step, and all ranks skip (or take) the step together.
+    Each rank only sees its own shards, so an overflow can show up on one rank alone. This scaler checks the local
+    shards and all-reduces the found-inf flag over every rank, so all ranks skip (or take) the step together. It
+    does so explicitly, rather than relying on DTensor's own reduction of the flag, so gradients that are plain
+    tensors (parameters outside any unit's mesh) are covered too.
     """
 
     def _unscale_grads_(
@@ -143,7 +145,7 @@ class FSDPPrecision(Precision):
         return module.to(dtype=self.low_dtype) if self.is_true_half else module
 
     def tensor_init_context(self) -> AbstractContextManager:
-        return _DtypeContextManager(self.low_dtype) if self.is_true_half else nullcontext()
+        return DtypeContextManager(self.low_dtype) if self.is_true_half else nullcontext()
 
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
@@ -161,14 +163,14 @@ class FSDPPrecision(Precision):
 
     def convert_input(self, data: Any) -> Any:
         if self.is_true_half:
-            return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=self.low_dtype)
+            return apply_to_collection(data, Tensor, convert_fp_tensor, dst_type=self.low_dtype)
         return data
 
     def convert_output(self, data: Any) -> Any:
         # Outputs come back in the default dtype, as with Lightning's own plugins, so losses are reduced in fp32.
         if self.precision == "32-true":
             return data
-        return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=torch.get_default_dtype())
+        return apply_to_collection(data, Tensor, convert_fp_tensor, dst_type=torch.get_default_dtype())
 
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         # Lightning ignores what `pre_backward` returns, so the loss is scaled here, right before autograd runs.
@@ -217,7 +219,7 @@ def as_fsdp_precision(plugin: Optional[Precision]) -> FSDPPrecision:
                 problem=f"{type(plugin).__name__} cannot drive FSDP2 sharded training",
             )
         )
+    # Keep the scaler the user configured (its init_scale, growth_interval, ...). torch's GradScaler also agrees on
+    # overflow across ranks: DTensor reduces `found_inf` over the gradients' mesh.
     scaler = getattr(plugin, "scaler", None)
-    # Lightning's MixedPrecision builds a plain GradScaler; it cannot see other ranks' overflow, so use ours.
-    keep = scaler if isinstance(scaler, DTensorGradScaler) else None
-    return FSDPPrecision(name, scaler=keep)
+    return FSDPPrecision(name, scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
@@ -34,7 +36,7 @@ __all__ = [
     "ParameterOwners",
     "remap_optimizer",
     "no_backward_sync",
-    "has_fsdp_units",
+    "sync_replicas",
     "has_meta_tensors",
 ]
 
@@ -44,7 +46,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class ShardedModel:
     module: nn.Module
-    units: list[nn.Module]
     summary: str  # e.g. "12 x Block + root"
 
 
@@ -66,11 +67,15 @@ class ParameterOwners:
                     self._originals.append(param)
 
     def current(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The parameter that now stands where ``param`` stood; ``param`` itself if it is already current; ``None``
+        if the model never owned it."""
         entry = self._owners.get(id(param))
-        if entry is None:
-            return None
-        owner, name = entry
-        return owner._parameters[name]
+        if entry is not None:
+            owner, name = entry
+            return owner._parameters[name]
+        if any(param is owner._parameters.get(name) for owner, name in self._owners.values()):
+            return param
+        return None
 
 
 def shard_model(
@@ -113,53 +118,57 @@ def shard_model(
     if not isinstance(module, FSDPModule):
         fully_shard(module, reshard_after_forward=reshard, **kwargs)
 
-    if has_meta_tensors(module):
+    was_meta = has_meta_tensors(module)
+    if was_meta:  # the per-shard seeding in `_materialize` already keeps replicas identical
         _materialize(module, mesh, device, params_on_cpu=config.cpu_offload)
-    units = [m for m in _fsdp_units(module) if m is not module]
-    return ShardedModel(module=module, units=units, summary=summary)
+    if not was_meta:
+        sync_replicas(module, mesh, device)
+    return ShardedModel(module=module, summary=summary)
 
 
-def remap_optimizer(optimizer: Optimizer, owners: ParameterOwners) -> None:
+def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners]) -> None:
     """Point every param group of ``optimizer`` at the parameters that replaced the ones it was built with.
 
-    Groups and their hyperparameters stay as they are. Parameters the model does not own are left alone.
+    Groups and their hyperparameters stay as they are. The lists are updated in place, because some optimizers
+    (LBFGS) keep a reference to them.
     """
     if optimizer.state:
         raise ValueError(
             f"The optimizer {type(optimizer).__name__} already has state for {len(optimizer.state)} parameter(s), so it"
-            " cannot be moved onto the sharded parameters. HINT: set up the model before the first `step()`, e.g."
-            " `model, optimizer = fabric.setup(model, optimizer)` right after creating them."
-        )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = [p for p in params if owners.current(p) is None]
-    if params and len(foreign) == len(params):
-        raise ValueError(
-            f"The optimizer {type(optimizer).__name__} holds none of the parameters of the model it is set up with,"
-            " so training would update nothing. HINT: build it from this model, e.g."
-            " `optimizer = torch.optim.AdamW(model.parameters())`, then `fabric.setup(model, optimizer)`."
-        )
-    if foreign:
-        warnings.warn(
-            f"{len(foreign)} of the optimizer's {len(params)} parameters are not part of the model; they are left"
-            " unsharded and their gradients are not synchronized across ranks.",
-            UserWarning,
-            stacklevel=4,
+            " cannot be moved onto the sharded parameters. HINT: set the model and optimizer up through the strategy"
+            " before the first `optimizer.step()` (Fabric: `model, optimizer = fabric.setup(model, optimizer)`)."
         )
     for group in optimizer.param_groups:
-        group["params"] = [owners.current(p) if owners.current(p) is not None else p for p in group["params"]]
+        resolved = [_resolve(owners, p) for p in group["params"]]
+        foreign = [p for p, new in zip(group["params"], resolved) if new is None]
+        if foreign:
+            raise ValueError(
+                f"The optimizer {type(optimizer).__name__} holds {len(foreign)} parameter(s) (shapes"
+                f" {[tuple(p.shape) for p in foreign[:3]]}{', ...' if len(foreign) > 3 else ''}) that belong to no"
+                " model set up by the strategy, so they would be neither sharded nor synchronized across ranks."
+                " HINT: build the optimizer from the model it trains, e.g. `torch.optim.AdamW(model.parameters())`,"
+                " and set that model up through the strategy too."
+            )
+        group["params"][:] = resolved
+
+
+def _resolve(owners: list[ParameterOwners], param: torch.Tensor) -> Optional[torch.Tensor]:
+    for table in owners:
+        current = table.current(param)
+        if current is not None:
+            return current
+    return None
 
 
 @contextmanager
-def no_backward_sync(module: nn.Module, enabled: bool, reduce_scatter_only: bool) -> Iterator[None]:
+def no_backward_sync(module: nn.Module, reduce_scatter_only: bool) -> Iterator[None]:
     """Skip gradient communication for the backward passes inside the block.
 
     ``reduce_scatter_only`` (hybrid sharding) keeps the reduce-scatter inside each shard group, so gradients stay
-    sharded and memory stays low, and skips only the all-reduce across replicas.
+    sharded and memory stays low, and skips only the all-reduce across replicas. Nesting is the caller's business:
+    this always turns communication back on when it exits.
     """
     units = _fsdp_units(module)
-    if not enabled or not units:
-        yield
-        return
     for unit in units:
         if reduce_scatter_only:
             unit.set_requires_all_reduce(False, recurse=False)
@@ -169,12 +178,26 @@ def no_backward_sync(module: nn.Module, enabled: bool, reduce_scatter_only: bool
         yield
     finally:
         for unit in units:
-            # Restore both switches: `set_requires_gradient_sync(True)` turns the all-reduce back on as well.
+            # Restores both switches: `set_requires_gradient_sync(True)` turns the all-reduce back on as well.
             unit.set_requires_gradient_sync(True, recurse=False)
 
 
-def has_fsdp_units(module: nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+def sync_replicas(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+    """Make every replica start from the same parameters, as DDP does: each shard is broadcast along the replicate
+    axis from the replica at coordinate 0. Without it, ranks that built the model with different seeds would train
+    replicas that never agree."""
+    if mesh.ndim != 2 or mesh.size(0) == 1:
+        return
+    group = mesh.get_group(0)
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for param in module.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            # NCCL can only send device memory; CPU-offloaded shards take a round trip.
+            staged = local if local.device.type == device.type else local.to(device)
+            dist.broadcast(staged, src=source, group=group)
+            if staged is not local:
+                local.copy_(staged)
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -287,7 +310,10 @@ def _per_shard_random_init(mesh: DeviceMesh, device: torch.device) -> Iterator[N
     if device.type != "cpu":
         yield
         return
-    base = int(torch.randint(0, 2**31, (1,)).item())  # the same on every rank that was seeded alike
+    base = torch.randint(0, 2**31, (1,))
+    if dist.is_initialized():
+        dist.broadcast(base, src=0)  # ranks seeded differently must still agree on their replicas
+    base = int(base.item())
     shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(base + shard_coordinate)
@@ -305,7 +331,8 @@ def _allocate_and_reset(module: nn.Module, device: torch.device, params_on_cpu: 
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
     uninitialized: list[str] = []
-    # Parents first: a parent's reset may set up children, and a child's own reset then refines its part.
+    # Parents first, like construction order. Each module resets only when it owns tensors directly; a parent whose
+    # reset also touches its children's tensors is overridden by the children's own resets that follow.
     for sub in module.modules():
         if not any(True for _ in _direct_tensors(sub)):
             continue

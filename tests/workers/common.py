@@ -136,6 +136,9 @@ def accumulate_three_micro_batches(fabric: Fabric, atol: float, label: str = "")
     for micro in range(3):
         with fabric.no_backward_sync(model, enabled=micro < 2):
             fabric.backward(loss_fn(model, make_batch(micro, fabric.global_rank)) / 3)
+        # FSDP fills the sharded `.grad` only when it finishes a reduction, so inside the block it stays empty.
+        communicated = [n for n, p in model.named_parameters() if p.grad is not None]
+        assert bool(communicated) == (micro == 2), f"micro-batch {micro}: gradients on {communicated[:3]}"
         (loss_fn(reference, global_batch(micro, fabric.world_size)) / 3).backward()
     opt.step()
     opt.zero_grad()

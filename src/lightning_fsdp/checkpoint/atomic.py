@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lightning_fsdp.checkpoint.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.layout import foreign_entries, is_full_checkpoint, is_sharded_checkpoint
 
 STAGING_SUFFIX = ".staging"
 BACKUP_SUFFIX = ".previous"
@@ -31,10 +31,22 @@ def backup_path(target: Path) -> Path:
 
 def check_replaceable(target: Path) -> None:
     """Refuse to overwrite anything that is not a checkpoint: users keep their files."""
-    if target.is_dir() and not is_sharded_checkpoint(target):
-        raise IsADirectoryError(
-            f"The checkpoint path {str(target)!r} is an existing directory that is not a sharded checkpoint, so it is"
-            " left untouched. HINT: choose another path, or remove that directory yourself."
+    if target.is_dir():
+        if not is_sharded_checkpoint(target):
+            raise IsADirectoryError(
+                f"The checkpoint path {str(target)!r} is an existing directory that is not a sharded checkpoint, so it"
+                " is left untouched. HINT: choose another path, or remove that directory yourself."
+            )
+        foreign = foreign_entries(target)
+        if foreign:
+            raise IsADirectoryError(
+                f"The sharded checkpoint {str(target)!r} also holds files no checkpoint wrote ({', '.join(foreign[:5])}),"
+                " and replacing it would delete them. HINT: move those files elsewhere, or save to another path."
+            )
+    elif target.exists() and not is_full_checkpoint(target):
+        raise FileExistsError(
+            f"The checkpoint path {str(target)!r} is an existing file that is not a checkpoint, so it is left"
+            " untouched. HINT: choose another path, or remove that file yourself."
         )
 
 
@@ -50,6 +62,9 @@ def fsync_tree(path: Path) -> None:
 def commit(staged: Path, target: Path) -> None:
     """Move a complete staged checkpoint to ``target``, replacing a previous checkpoint there."""
     recover(target)
+    for stale in target.parent.glob(f".{target.name}.*{STAGING_SUFFIX}"):
+        if stale != staged:  # left behind by a save that was killed
+            _remove(stale)
     if staged.is_file() and (is_full_checkpoint(target) or not target.exists()):
         os.replace(staged, target)
     else:

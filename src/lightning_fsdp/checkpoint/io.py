@@ -57,14 +57,19 @@ def save_checkpoint(
     _reshard(models)
     if not models:
         raise ValueError(
-            "The checkpoint state holds no model that was set up by the strategy. HINT: pass the model like so:"
-            " `fabric.save(path, {'model': model, 'optimizer': optimizer})`, after `model = fabric.setup(model)`."
+            "The checkpoint state holds no model. HINT: pass the model that the strategy set up, like so:"
+            " `save(path, {'model': model, 'optimizer': optimizer})` (Fabric: `fabric.save`)."
         )
     owners = _optimizer_owners(models, optimizers)
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     tensors: dict[str, Any] = {key: get_model_state_dict(module, options=options) for key, module in models.items()}
     for key, optimizer in optimizers.items():
+        fresh = not optimizer.state
         tensors[key] = get_optimizer_state_dict(owners[key], optimizer, options=options)
+        if fresh:
+            # The state-dict API initializes missing state with a zero-gradient step; undo that on the live
+            # optimizer, so saving before the first step does not change training.
+            optimizer.state.clear()
     for key, keep in (filter or {}).items():
         for converted in (tensors, metadata):
             if isinstance(converted.get(key), dict):
@@ -109,10 +114,13 @@ def load_checkpoint(
     """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys."""
     source = Path(comm.broadcast(str(path)))
     weights_only = True if weights_only is None else weights_only
+    if comm.global_rank == 0:
+        atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
+    comm.barrier()
     if not (is_sharded_checkpoint(source) or is_full_checkpoint(source)):
         raise FileNotFoundError(
             f"{str(source)!r} is not a checkpoint: expected a file (full checkpoint) or a directory with DCP"
-            f" '.metadata' (sharded checkpoint). HINT: pass the path that `fabric.save` wrote."
+            f" '.metadata' (sharded checkpoint). HINT: pass the path that the save wrote."
         )
     if isinstance(state, Module):
         _load_raw_module(source, state, strict=strict, weights_only=weights_only)
@@ -120,7 +128,7 @@ def load_checkpoint(
     if isinstance(state, Optimizer):
         raise NotImplementedError(
             "Loading a lone optimizer is not supported, because its state is keyed by the model's parameter names."
-            " HINT: load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            " HINT: load it together with its model: `load(path, {'model': model, 'optimizer': optimizer})`."
         )
     models, optimizers, _ = _split(state)
     _reshard(models)
@@ -159,13 +167,31 @@ def load_checkpoint(
 
 def _load_raw_module(source: Path, module: Module, *, strict: bool, weights_only: bool) -> None:
     if is_sharded_checkpoint(source):
-        tensors = {"model": get_model_state_dict(module)}
+        key = _single_model_key(source)
+        tensors = {key: get_model_state_dict(module)}
         dcp.load(tensors, checkpoint_id=source)
-        set_model_state_dict(module, tensors["model"], options=StateDictOptions(strict=strict))
+        set_model_state_dict(module, tensors[key], options=StateDictOptions(strict=strict))
         return
     contents = _torch_load(source, weights_only)
     weights = contents.get("model", contents) if isinstance(contents, dict) else contents
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _single_model_key(path: Path) -> str:
+    """The one model in a sharded checkpoint: the top-level key whose entries are not optimizer state."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    keys: dict[str, bool] = {}
+    for fqn in metadata.state_dict_metadata:
+        top, _, rest = fqn.partition(".")
+        is_optimizer = rest.startswith(("state.", "param_groups"))
+        keys[top] = keys.get(top, False) or is_optimizer
+    models = [k for k, is_optimizer in keys.items() if not is_optimizer]
+    if len(models) != 1:
+        raise ValueError(
+            f"Cannot tell which model to load from {str(path)!r}: it holds the entries {sorted(keys)}. HINT: load it"
+            " with a state dict that names the key, e.g. `load(path, {'model': model}, strict=False)`."
+        )
+    return models[0]
 
 
 def _reshard(models: dict[str, Module]) -> None:
@@ -205,7 +231,7 @@ def _optimizer_owners(models: dict[str, Module], optimizers: dict[str, Optimizer
             raise ValueError(
                 f"The optimizer under key {key!r} updates parameters that belong to no model in the checkpoint state"
                 f" (models: {sorted(models)}). HINT: add the model it optimizes, e.g."
-                f" `state={{'model': model, {key!r}: optimizer}}`, and set both up with `fabric.setup(model, optimizer)`."
+                f" `state={{'model': model, {key!r}: optimizer}}`."
             )
         owners[key] = models[match[0]]
     return owners
@@ -234,8 +260,8 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
         if weights_only and "weights_only" in str(err):
             raise RuntimeError(
                 f"{str(path)!r} holds objects that only full unpickling can restore, which can run arbitrary code."
-                " HINT: if you trust this file, pass `weights_only=False`, e.g."
-                " `fabric.load(path, state, weights_only=False)`."
+                " HINT: if you trust this file, pass `weights_only=False`, e.g. `fabric.load(path, state,"
+                " weights_only=False)`."
             ) from err
         raise RuntimeError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 METADATA_FILENAME = "meta.pt"
@@ -19,4 +20,16 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def is_full_checkpoint(path: Path) -> bool:
-    return path.is_file()
+    """A file that ``torch.save`` wrote: a zip archive with a pickled ``data.pkl`` record."""
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """Names inside a sharded checkpoint directory that no checkpoint writer put there (a user's files)."""
+    return sorted(
+        entry.name for entry in path.iterdir()
+        if entry.name not in (DCP_METADATA_FILENAME, METADATA_FILENAME) and not entry.name.endswith(".distcp")
+    )
