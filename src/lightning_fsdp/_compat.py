@@ -13,4 +13,24 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # tor
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
 
-__all__ = ["CheckpointImpl", "CheckpointWrapper", "checkpoint_wrapper", "convert_fp_tensor", "DtypeContextManager"]
+# torch's zip-archive writer and its dtype -> storage-class table, used to write torch.save files one tensor at a time.
+from torch.serialization import _open_zipfile_writer as open_zipfile_writer
+from torch.storage import _dtype_to_storage_type_map
+
+
+def storage_type_for(dtype):
+    """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references."""
+    import torch
+
+    return getattr(torch, _dtype_to_storage_type_map()[dtype])
+
+
+__all__ = [
+    "CheckpointImpl",
+    "CheckpointWrapper",
+    "checkpoint_wrapper",
+    "convert_fp_tensor",
+    "DtypeContextManager",
+    "open_zipfile_writer",
+    "storage_type_for",
+]

@@ -84,6 +84,7 @@ class FSDPConfig:
     state_dict_type: StateDictType
     device_mesh: Optional[Union[tuple[int, int], DeviceMesh]]
     hybrid_no_sync: HybridNoSync
+    async_save: bool
 
     @property
     def cpu_offload(self) -> bool:
@@ -103,6 +104,7 @@ class FSDPConfig:
         state_dict_type: str = "sharded",
         device_mesh: Optional[MeshInput] = None,
         hybrid_no_sync: str = "skip_all",
+        async_save: bool = False,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         return cls(
@@ -117,6 +119,7 @@ class FSDPConfig:
             state_dict_type=_parse_choice("state_dict_type", state_dict_type, _STATE_DICT_ALLOWED),
             device_mesh=_parse_device_mesh(device_mesh, strategy),
             hybrid_no_sync=_parse_hybrid_no_sync(hybrid_no_sync, strategy),
+            async_save=_parse_async_save(async_save, state_dict_type),
         )
 
 
@@ -253,6 +256,21 @@ def _parse_choice(argument: str, value: Any, allowed: tuple[str, ...]) -> Any:
     raise ValueError(
         bad_argument(argument, value, ", ".join(repr(a) for a in allowed), f"Use e.g. `{argument}={allowed[0]!r}`.")
     )
+
+
+def _parse_async_save(value: Any, state_dict_type: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(
+            bad_argument("async_save", value, "True or False", "Use `async_save=True` to write sharded saves in the background.")
+        )
+    if value and isinstance(state_dict_type, str) and state_dict_type.lower() == "full":
+        warnings.warn(
+            "`async_save=True` applies to sharded checkpoints only; with `state_dict_type='full'` saves stay"
+            " synchronous, since rank 0 gathers and writes the whole file.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return value
 
 
 def _parse_hybrid_no_sync(value: Any, strategy: ShardingStrategy) -> HybridNoSync:

@@ -149,6 +149,17 @@ class FSDPEngine:
             else:
                 dist.barrier()
 
+    def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]:
+        """Share each rank's error (or ``None``) and return ``(rank, error)`` for the first rank that had one,
+        identically on every rank, so a failure seen by one rank (a corrupted shard only it reads, a failed write) is
+        raised by all instead of leaving the others waiting in the next collective."""
+        if not _distributed():
+            return None if error is None else (self.global_rank, error)
+        errors: list[Optional[Any]] = [None] * dist.get_world_size()
+        with self.guard("agreement on errors"):
+            dist.all_gather_object(errors, error)
+        return next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+
     def broadcast(self, obj: T, src: int = 0) -> T:
         if not _distributed():
             return obj

@@ -64,6 +64,9 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips
             every gradient collective; ``"reduce_scatter_only"`` still reduce-scatters inside each shard group, which
             keeps gradients sharded, and skips only the all-reduce across replicas.
+        async_save: write sharded checkpoints in the background: ``save`` returns once the tensors are copied to host
+            memory, and training continues while DCP writes. The next save, load or teardown waits for it and raises
+            its error, if any. Ignored (with a warning) for ``state_dict_type="full"``.
         **kwargs: FSDP1 keywords of Lightning's strategy (``use_orig_params``, ``limit_all_gathers``, ...) are
             accepted and ignored with a warning; anything else is a ``TypeError``.
     """
@@ -86,6 +89,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         device_mesh: Optional[MeshInput] = None,
         reshard_after_forward: Optional[Union[bool, int]] = None,
         hybrid_no_sync: HybridNoSync = "skip_all",
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         check_fsdp1_kwargs(kwargs)
@@ -100,6 +104,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
             state_dict_type=state_dict_type,
             device_mesh=device_mesh,
             hybrid_no_sync=hybrid_no_sync,
+            async_save=async_save,
         )
         own_precision = FSDPPrecision(precision) if isinstance(precision, (str, int)) else precision
         super().__init__(
@@ -111,6 +116,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         self._engine = FSDPEngine(config, process_group_backend, timeout)
         self._num_nodes = 1
         self._backward_sync_control = _EngineBackwardSyncControl(self._engine)
+        self._background_saves = checkpoint.AsyncSaves()
 
     # --- properties Lightning reads -----------------------------------------------------------------------
 
@@ -218,6 +224,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         return nullcontext()
 
     def teardown(self) -> None:
+        self._background_saves.wait(self._engine)
         # Lightning's teardown also tears down `checkpoint_io`, which this strategy does not have.
         self.precision.teardown()
         if self.accelerator is not None:
@@ -274,7 +281,10 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
                 " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
             )
         full = self.config.state_dict_type == "full"
-        checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter)
+        background = self._background_saves if self.config.async_save and not full else None
+        if background is None:
+            self._background_saves.wait(self._engine)
+        checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter, background=background)
 
     def load_checkpoint(
         self,
@@ -288,6 +298,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
                 f"`{type(self).__name__}.load_checkpoint(..., state={state!r})` needs the objects to restore. HINT:"
                 " pass them like so: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
+        self._background_saves.wait(self._engine)
         return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine)
 
     # --- registry -----------------------------------------------------------------------------------------

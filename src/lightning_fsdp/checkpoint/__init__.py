@@ -1,16 +1,23 @@
 """Full and sharded checkpoints for FSDP2 models.
 
 - :mod:`.layout` knows the on-disk formats and tells them apart.
+- :mod:`.state` sorts a user's ``state`` dict into models, optimizers and metadata.
+- :mod:`.save` and :mod:`.load` write and read them; :mod:`.full_writer` streams full files one tensor at a time.
 - :mod:`.atomic` makes every save replace the previous checkpoint only once the new one is complete.
-- :mod:`.io` turns ``state`` dicts of models, optimizers and plain objects into checkpoints and back.
+- :mod:`.agreement` makes a failure on one rank an error on every rank.
 """
 
-from lightning_fsdp.checkpoint.io import load_checkpoint, save_checkpoint
+from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.load import load_checkpoint
+from lightning_fsdp.checkpoint.save import AsyncSaves, save_checkpoint
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "AsyncSaves",
+    "CheckpointError",
+    "Communicator",
     "is_sharded_checkpoint",
     "is_full_checkpoint",
     "METADATA_FILENAME",

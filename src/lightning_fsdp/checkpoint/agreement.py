@@ -1,0 +1,58 @@
+"""Making every rank fail together.
+
+A checkpoint is read and written by several ranks, and many failures are local: a shard only one rank reads is
+corrupted, rank 0's disk is full. If only that rank raises, the others walk into the next collective and wait there
+until the timeout. :func:`together` runs a step on every rank, shares the outcome, and raises the same
+:class:`CheckpointError` on all of them when any rank failed.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Callable, Optional, Protocol, TypeVar
+
+__all__ = ["Communicator", "CheckpointError", "together"]
+
+T = TypeVar("T")
+
+
+class Communicator(Protocol):
+    """The collectives a save or load needs (the engine provides them)."""
+
+    global_rank: int
+
+    def barrier(self) -> None: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]: ...
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be read or written; raised on every rank alike."""
+
+
+def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
+    """Run ``step`` on this rank; if it fails on any rank, raise on every rank.
+
+    The rank that failed re-raises its own exception. The others raise the same built-in exception type (so
+    ``except IsADirectoryError`` works everywhere) with the failing rank's message, or ``CheckpointError`` when the
+    type is not a built-in one.
+    """
+    result: Optional[T] = None
+    mine: Optional[BaseException] = None
+    try:
+        result = step()
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        mine = err
+    first = comm.agree(None if mine is None else (type(mine).__name__, str(mine)))
+    if first is None:
+        return result  # type: ignore[return-value]
+    rank, (type_name, message) = first
+    if mine is not None and rank == comm.global_rank:
+        raise mine
+    kind = getattr(builtins, type_name, None)
+    text = f"{what} failed on rank {rank}: {message}"
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        raise kind(text) from mine
+    raise CheckpointError(f"{text} ({type_name})") from mine

@@ -1,0 +1,121 @@
+"""Write a ``torch.save`` file one tensor at a time.
+
+``torch.save`` pickles the whole object first and then writes every tensor's bytes, so all tensors must be in memory
+at once: for a full checkpoint, the whole model and optimizer on rank 0. The file format allows better. Its
+``data.pkl`` only *refers* to tensor data by key, with dtype and size, and each tensor's bytes are a separate
+record. So this module pickles a skeleton first, from shapes and dtypes alone, then produces, writes and frees the
+tensors one by one. The result is an ordinary ``torch.save`` zip archive: ``torch.load(path, weights_only=True)``
+and ``mmap=True`` read it, without this package.
+
+Tensors may be DTensors: each is gathered with ``full_tensor()`` when its turn comes, a collective every rank takes
+part in, in the same order, so all ranks walk the same skeleton. Only the writer rank keeps and writes the bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_fsdp._compat import open_zipfile_writer, storage_type_for
+
+__all__ = ["write_full_checkpoint", "write_streaming"]
+
+
+def write_full_checkpoint(path: Path, obj: Any, *, is_writer: bool) -> None:
+    """Write ``obj`` (nested dicts/lists of tensors, DTensors and plain values) as a ``torch.save`` file on the
+    writer rank; every rank must call this with the same structure, since DTensors are gathered collectively."""
+    write_streaming(path if is_writer else None, obj, _gather)
+
+
+def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tensor], Tensor]) -> None:
+    """Core of the streaming writer. ``materialize`` turns each tensor of ``obj`` into a CPU tensor when its turn
+    comes (gathering, reading from disk, ...); with ``path=None`` it still runs, for its collectives, and nothing is
+    written."""
+    skeleton, tensors = _skeletonize(obj)
+    if path is None:
+        for tensor in tensors:
+            materialize(tensor)
+        return
+    with open_zipfile_writer(str(path)) as writer:
+        data = io.BytesIO()
+        _Pickler(data, protocol=2).dump(skeleton)
+        payload = data.getvalue()
+        writer.write_record("data.pkl", payload, len(payload))
+        for name, value in ((".format_version", "1"), ("byteorder", sys.byteorder)):
+            writer.write_record(name, value, len(value))
+        for key, tensor in enumerate(tensors):
+            value = materialize(tensor).detach().contiguous()
+            if value.device.type != "cpu":
+                value = value.cpu()
+            storage = value.untyped_storage()
+            writer.write_record(f"data/{key}", storage, storage.nbytes())
+            del value, storage  # free before the next tensor is produced
+
+
+def _gather(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class _StorageRef:
+    """Stands for one tensor's bytes in the pickle; the pickler turns it into torch's storage reference."""
+
+    def __init__(self, key: int, dtype: torch.dtype, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorStub:
+    """Pickles exactly like a contiguous CPU tensor does under ``torch.save``, without the data."""
+
+    def __init__(self, ref: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.ref, self.shape = ref, shape
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        stride = _contiguous_stride(self.shape)
+        return (torch._utils._rebuild_tensor_v2, (self.ref, 0, self.shape, stride, False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Optional[tuple]:
+        if isinstance(obj, _StorageRef):
+            return ("storage", storage_type_for(obj.dtype), str(obj.key), "cpu", obj.numel)
+        return None
+
+
+def _skeletonize(obj: Any) -> tuple[Any, list[Tensor]]:
+    tensors: list[Tensor] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            tensors.append(value)
+            shape = tuple(value.shape)
+            return _TensorStub(_StorageRef(len(tensors) - 1, value.dtype, _numel(shape)), shape)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}  # an OrderedDict is written as a plain dict
+        if type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(obj), tensors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))

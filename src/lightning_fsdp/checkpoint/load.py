@@ -1,0 +1,212 @@
+"""Reading checkpoints into sharded models and optimizers.
+
+- **Sharded** (DCP): each rank reads the pieces of its own shards, whatever world size or mesh wrote them, so a
+  checkpoint saved on 2 ranks loads on 1, 3 or 4, and into hybrid or NO_SHARD layouts.
+- **Full** (one file): only rank 0 opens it, memory-mapped, and the state-dict API broadcasts one tensor at a time
+  and keeps each rank's shard, so no rank ever holds the whole checkpoint in memory.
+
+Every read that can fail on one rank alone is followed by an agreement step (:mod:`.agreement`), so a corrupted
+or truncated checkpoint raises the same error, naming the file, on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(
+    path: Union[str, Path],
+    state: Union[Module, Optimizer, dict[str, Any]],
+    *,
+    strict: bool = True,
+    weights_only: Optional[bool] = None,
+    comm: Communicator,
+) -> dict[str, Any]:
+    """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys."""
+    source = Path(comm.broadcast(str(path)))
+    weights_only = True if weights_only is None else weights_only
+    if comm.global_rank == 0:
+        atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
+    comm.barrier()
+    sharded = together(comm, f"Opening the checkpoint {str(source)!r}", lambda: _detect(source))
+    if isinstance(state, Optimizer):
+        raise NotImplementedError(
+            "Loading a lone optimizer is not supported, because its state is keyed by the model's parameter names."
+            " HINT: load it together with its model: `load(path, {'model': model, 'optimizer': optimizer})`."
+        )
+    bare = False
+    raw = isinstance(state, Module)
+    if raw:
+        key = _raw_model_key(source, sharded, comm, weights_only)
+        bare = key is None  # a file holding just `model.state_dict()`
+        state = {key or "model": state}
+    split = split_state(state, for_save=False)
+    if sharded:
+        remainder = _load_sharded(source, state, split, strict, weights_only, comm)
+    else:
+        remainder = _load_full(source, state, split, strict, weights_only, comm, bare_model=bare)
+    return {} if raw else remainder
+
+
+def _detect(source: Path) -> bool:
+    """True for a sharded checkpoint, False for a full one; raises for anything else."""
+    if is_sharded_checkpoint(source):
+        return True
+    if is_full_checkpoint(source):
+        return False
+    if source.is_file():
+        raise ValueError(
+            f"{str(source)!r} is not a torch.save zip archive, so it is not a full checkpoint; it may be truncated or"
+            " corrupted. HINT: load an earlier checkpoint, or re-create this one."
+        )
+    raise FileNotFoundError(
+        f"{str(source)!r} is not a checkpoint: expected a file (full checkpoint) or a directory with DCP '.metadata'"
+        " (sharded checkpoint). HINT: pass the path that the save wrote."
+    )
+
+
+def _load_sharded(
+    source: Path, state: dict, split: SplitState, strict: bool, weights_only: bool, comm: Communicator
+) -> dict[str, Any]:
+    meta_file = source / METADATA_FILENAME
+
+    def read_metadata() -> tuple[dict[str, Any], set[str]]:
+        metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
+        return metadata, set(_dcp_top_level_keys(source)) | set(metadata)
+
+    metadata, available = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
+    _check_requested(state, available, strict)
+    tensors: dict[str, Any] = {k: get_model_state_dict(m) for k, m in split.models.items() if k in available}
+    for key, optimizer in split.optimizers.items():
+        if key in available:
+            tensors[key] = get_optimizer_state_dict(split.owners[key], optimizer)
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+    together(comm, f"Reading the shards of {str(source)!r}", lambda: dcp.load(tensors, checkpoint_id=source, planner=planner))
+    options = StateDictOptions(strict=strict)
+    for key, module in split.models.items():
+        if key in tensors:
+            set_model_state_dict(module, tensors[key], options=options)
+    for key, optimizer in split.optimizers.items():
+        if key in tensors:
+            set_optimizer_state_dict(split.owners[key], optimizer, tensors[key], options=options)
+    return _restore_metadata(state, split, metadata)
+
+
+def _load_full(
+    source: Path, state: dict, split: SplitState, strict: bool, weights_only: bool, comm: Communicator,
+    bare_model: bool = False,
+) -> dict[str, Any]:
+    # Rank 0 maps the file; the others learn its keys and its non-tensor entries, then receive tensors one by one.
+    contents: dict[str, Any] = {}
+
+    def open_file() -> None:
+        if comm.global_rank == 0:
+            loaded = _torch_load(source, weights_only)
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
+            contents.update({next(iter(split.models)): loaded} if bare_model else loaded)
+
+    together(comm, f"Reading {str(source)!r}", open_file)
+    tensor_keys = set(split.models) | set(split.optimizers)
+    keys, metadata = comm.broadcast(
+        (list(contents), {k: v for k, v in contents.items() if k not in tensor_keys}) if comm.global_rank == 0 else None
+    )
+    _check_requested(state, keys, strict)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    for key, module in split.models.items():
+        if key in keys:
+            set_model_state_dict(module, contents.get(key, {}), options=options)
+    for key, optimizer in split.optimizers.items():
+        if key in keys:
+            set_optimizer_state_dict(split.owners[key], optimizer, contents.get(key, {}), options=options)
+    return _restore_metadata(state, split, metadata)
+
+
+def _restore_metadata(state: dict, split: SplitState, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Put requested plain entries back into ``state`` (Stateful ones through ``load_state_dict``) and return the
+    entries nobody asked for."""
+    for key, value in list(state.items()):
+        if key in split.models or key in split.optimizers or key not in metadata:
+            continue
+        if is_stateful(value):
+            value.load_state_dict(metadata[key])
+        else:
+            state[key] = metadata[key]
+    return {k: v for k, v in metadata.items() if k not in state}
+
+
+def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only: bool) -> Optional[str]:
+    """The key of the one model in a checkpoint, for loading a bare module (Fabric's ``load_raw``); ``None`` for a
+    file that holds just a model's state dict."""
+
+    def find() -> Optional[str]:
+        if sharded:
+            metadata = dcp.FileSystemReader(source).read_metadata()
+            kinds: dict[str, bool] = {}
+            for fqn in metadata.state_dict_metadata:
+                top, _, rest = fqn.partition(".")
+                kinds[top] = kinds.get(top, False) or rest.startswith(("state.", "param_groups"))
+            models = [k for k, is_optimizer in kinds.items() if not is_optimizer]
+        else:
+            contents = _torch_load(source, weights_only)
+            if all(torch.is_tensor(v) for v in contents.values()):
+                return None
+            models = [k for k, v in contents.items() if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())]
+        if len(models) != 1:
+            raise ValueError(
+                f"cannot tell which entry of {str(source)!r} is the model (candidates: {sorted(models)}). HINT: load"
+                " it with a state dict that names the key, e.g. `load(path, {'model': model})`."
+            )
+        return models[0]
+
+    return together(comm, f"Finding the model in {str(source)!r}", find)
+
+
+def _check_requested(state: dict[str, Any], available, strict: bool) -> None:
+    if not strict:
+        return
+    available = set(available)
+    missing = [k for k in state if k not in available]
+    if missing:
+        raise KeyError(
+            f"The requested state key {missing[0]!r} is not in the checkpoint. HINT: pass `strict=False` to load the"
+            " keys that are there and skip the rest."
+        )
+
+
+def _dcp_top_level_keys(path: Path) -> set[str]:
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+
+
+def _torch_load(path: Path, weights_only: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as err:
+        if weights_only and "weights_only" in str(err):
+            raise RuntimeError(
+                f"{str(path)!r} holds objects that only full unpickling can restore, and unpickling can run arbitrary"
+                " code. HINT: if you trust this file, pass `weights_only=False`, e.g."
+                " `fabric.load(path, state, weights_only=False)`."
+            ) from err
+        raise RuntimeError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err

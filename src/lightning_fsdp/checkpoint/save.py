@@ -1,0 +1,199 @@
+"""Writing checkpoints: sharded (DCP), full (one file from rank 0), and sharded in the background.
+
+Every save writes to a staging path beside the target and moves it into place only when complete
+(:mod:`.atomic`), and every failure is raised on all ranks (:mod:`.agreement`).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint
+from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
+from lightning_fsdp.checkpoint.state import SplitState, split_state
+
+__all__ = ["save_checkpoint", "AsyncSaves"]
+
+Filter = Optional[dict[str, Callable[[str, Any], bool]]]
+
+
+def save_checkpoint(
+    path: Union[str, Path],
+    state: dict[str, Any],
+    *,
+    full: bool,
+    comm: Communicator,
+    filter: Filter = None,
+    background: Optional[AsyncSaves] = None,
+) -> Path:
+    """Write ``state`` to ``path``, replacing a previous checkpoint there only once the new one is complete.
+
+    With ``background`` (sharded only), the call returns once the tensors are staged in host memory; the write and
+    the final rename happen in a background thread. ``background.wait()`` reports its outcome.
+    """
+    target = Path(comm.broadcast(str(path)))
+    together(comm, "Checking the checkpoint path", lambda: atomic.check_replaceable(target))
+    split = split_state(state, for_save=True)
+    if not split.models:
+        raise ValueError(
+            "The checkpoint state holds no model. HINT: pass the model that the strategy set up, like so:"
+            " `save(path, {'model': model, 'optimizer': optimizer})` (Fabric: `fabric.save`)."
+        )
+    staged = atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
+    if full:
+        _save_full(split, staged, target, comm, filter)
+    elif background is not None:
+        background.start(_sharded_tensors(split, filter), _filtered(split.metadata, filter), staged, target, comm)
+    else:
+        _save_sharded(_sharded_tensors(split, filter), _filtered(split.metadata, filter), staged, target, comm)
+    return target
+
+
+def _save_sharded(tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm) -> None:
+    def write() -> None:
+        if comm.global_rank == 0:
+            staged.mkdir(parents=True)
+        comm.barrier()
+        dcp.save(tensors, checkpoint_id=staged)
+        if comm.global_rank == 0:
+            torch.save(metadata, staged / METADATA_FILENAME)
+            atomic.fsync_tree(staged)
+
+    _write_then_commit(write, staged, target, comm)
+
+
+def _save_full(split: SplitState, staged: Path, target: Path, comm: Communicator, filter: Filter) -> None:
+    """Gather one tensor at a time and stream it into the file, so rank 0 never holds the whole model."""
+    entries: dict[str, Any] = {}
+    for key, module in split.models.items():
+        entries[key] = get_model_state_dict(module)
+    for key, optimizer in split.optimizers.items():
+        entries[key] = _optimizer_state(split, key, full=True)
+    entries = _filtered(entries, filter)
+    metadata = _filtered(split.metadata, filter)
+
+    def write() -> None:
+        write_full_checkpoint(staged, {**entries, **metadata}, is_writer=comm.global_rank == 0)
+        if comm.global_rank == 0:
+            atomic.fsync_tree(staged)
+
+    _write_then_commit(write, staged, target, comm)
+
+
+def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
+    try:
+        together(comm, f"Writing the checkpoint {str(target)!r}", write)
+        if comm.global_rank == 0:
+            atomic.commit(staged, target)
+        comm.barrier()
+    except BaseException:
+        if comm.global_rank == 0:
+            atomic.discard(staged)
+        raise
+
+
+def _sharded_tensors(split: SplitState, filter: Filter) -> dict[str, Any]:
+    tensors: dict[str, Any] = {key: get_model_state_dict(module) for key, module in split.models.items()}
+    for key in split.optimizers:
+        tensors[key] = _optimizer_state(split, key, full=False)
+    return _filtered(tensors, filter)
+
+
+def _optimizer_state(split: SplitState, key: str, full: bool) -> dict[str, Any]:
+    optimizer = split.optimizers[key]
+    fresh = not optimizer.state
+    # Full state dicts keep DTensors here too: `write_full_checkpoint` gathers them one at a time.
+    state = get_optimizer_state_dict(split.owners[key], optimizer, options=StateDictOptions(full_state_dict=False))
+    if fresh:
+        # The state-dict API fills missing state with a zero-gradient step; undo that on the live optimizer, so
+        # saving before the first step does not change training.
+        optimizer.state.clear()
+    return state
+
+
+def _filtered(entries: dict[str, Any], filter: Filter) -> dict[str, Any]:
+    out = dict(entries)
+    for key, keep in (filter or {}).items():
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items() if keep(k, v)}
+    return out
+
+
+class AsyncSaves:
+    """At most one sharded save in flight, written by DCP in a background thread.
+
+    - ``start`` returns once the tensors are copied to host memory (DCP's staging), after waiting for the previous
+      save, so saves never overlap.
+    - The background collectives run on a gloo group of their own, so they cannot interleave with training's.
+    - When the write finishes, rank 0 moves the checkpoint into place from the background thread.
+    - ``wait`` (called by the next save, load and teardown) blocks until then and raises the background error, if
+      any, on every rank: it is never swallowed.
+    """
+
+    def __init__(self) -> None:
+        self._future: Optional[Future] = None
+        self._target: Optional[Path] = None
+        self._group: Optional[dist.ProcessGroup] = None
+        self._commit_error: Optional[BaseException] = None
+        self._committed = threading.Event()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def start(self, tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm) -> None:
+        self.wait(comm)
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+
+        def prepare() -> None:
+            if comm.global_rank == 0:
+                staged.mkdir(parents=True)
+                torch.save(metadata, staged / METADATA_FILENAME)
+
+        together(comm, f"Preparing the background save of {str(target)!r}", prepare)
+        future = dcp.async_save(tensors, checkpoint_id=staged, process_group=self._group)
+        self._future, self._target, self._commit_error = future, target, None
+        self._committed = threading.Event()
+        if comm.global_rank == 0:
+            future.add_done_callback(lambda f: self._commit_when_written(f, staged, target))
+        else:
+            self._committed.set()
+
+    def _commit_when_written(self, future: Future, staged: Path, target: Path) -> None:
+        try:
+            if future.exception() is not None:
+                atomic.discard(staged)
+                return
+            atomic.fsync_tree(staged)
+            atomic.commit(staged, target)
+        except BaseException as err:  # noqa: BLE001 - surfaced by `wait`
+            self._commit_error = err
+        finally:
+            # `Future.result()` can return before the callbacks have run; `wait` waits for this instead.
+            self._committed.set()
+
+    def wait(self, comm: Communicator) -> None:
+        if self._future is None:
+            return
+        future, target = self._future, self._target
+        self._future = self._target = None
+
+        def finish() -> None:
+            future.result()  # raises the background write's error
+            self._committed.wait()
+            if self._commit_error is not None:
+                raise self._commit_error
+
+        together(comm, f"The background save of {str(target)!r}", finish)
