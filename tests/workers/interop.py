@@ -14,9 +14,9 @@
 from __future__ import annotations
 
 import copy
-import subprocess
+import os
+import runpy
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,25 +86,34 @@ def _lists_for_tuples(group: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
 
 
-def load_into_ours(path: Path, expected: dict[str, Any], **load_kwargs: Any) -> dict[str, Any]:
-    """``fabric.load`` into our strategy, starting from other weights and a fresh optimizer, then compare."""
+def load_into_ours(path: Path, expected: dict[str, Any], leftover: dict[str, Any]) -> dict[str, Any]:
+    """``fabric.load`` into our strategy, starting from other weights and a fresh optimizer, then compare; ``leftover``
+    is some of what the load must return (the checkpoint's entries that were not requested)."""
     fabric = make_fabric(WORLD)
     torch.manual_seed(1)
     plain = TinyTransformer()
     model, optimizer = fabric.setup(plain, torch.optim.Adam(plain.parameters(), lr=0.5))
-    remainder = fabric.load(path, {"model": model, "optimizer": optimizer}, **load_kwargs)
-    report = assert_same_state(snapshot(model, optimizer), expected)
-    # The loaded optimizer must also work: one more step changes the parameters.
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    # What the checkpoint holds beyond the requested entries; the entries the model and optimizer came from are not.
+    assert not {"model", "optimizer", "state_dict", "optimizer_states", "optimizer_0"} & set(remainder), sorted(remainder)
+    remainder = {k: remainder.get(k, "<missing>") for k in leftover}
+    assert remainder == leftover, f"the load returned {remainder}, expected {leftover}"
+    loaded = snapshot(model, optimizer)
+    report = assert_same_state(loaded, expected)
+    # The loaded optimizer must also work: one more step changes every parameter.
     fabric.backward(loss_fn(model, global_batch(9, 1)))
     optimizer.step()
-    return {**report, "remainder": sorted(remainder)}
+    stepped = snapshot(model, optimizer)["params"]
+    unchanged = [k for k, v in loaded["params"].items() if torch.equal(v, stepped[k])]
+    assert not unchanged, f"a step after the load left these parameters unchanged: {unchanged}"
+    return {**report, "remainder": remainder}
 
 
-def shared_tmpdir(name: str) -> Path:
-    root = Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None
-    holder = [str(root)]
-    dist.broadcast_object_list(holder, src=0)
-    return Path(holder[0]) / name
+def checkpoint_path(name: str) -> Path:
+    """A fresh path in the launch's output folder, which every rank sees (one machine) and pytest cleans up."""
+    root = Path(os.environ["LFSDP_TEST_OUT"]) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)  # on every rank: some writers below do not create parent folders
+    return root / name
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,7 +144,7 @@ def fabric_model_parallel_checkpoint(distributed: bool) -> tuple[Path, dict[str,
         fabric.backward(loss_fn(model, global_batch(step, 1)))
         optimizer.step()
         optimizer.zero_grad()
-    path = shared_tmpdir("fabric_model_parallel" + ("" if distributed else ".pt"))
+    path = checkpoint_path("fabric_model_parallel" + ("" if distributed else ".pt"))
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
     return path, snapshot(model, optimizer)
 
@@ -144,14 +153,14 @@ def fabric_model_parallel_checkpoint(distributed: bool) -> tuple[Path, dict[str,
 def fabric_model_parallel_sharded_checkpoint_loads():
     path, expected = fabric_model_parallel_checkpoint(distributed=True)
     assert (path / ".metadata").is_file() and (path / "meta.pt").is_file()
-    return load_into_ours(path, expected)
+    return load_into_ours(path, expected, {"step": STEPS})
 
 
 @case
 def fabric_model_parallel_full_checkpoint_loads():
     path, expected = fabric_model_parallel_checkpoint(distributed=False)
     assert path.is_file()
-    return load_into_ours(path, expected)
+    return load_into_ours(path, expected, {"step": STEPS})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -195,7 +204,7 @@ def trainer_model_parallel_checkpoint(distributed: bool) -> tuple[Path, dict[str
     module = LitTiny()
     data = DataLoader(list(global_batch(0, 2 * WORLD * STEPS)), batch_size=2)
     trainer.fit(module, data)
-    path = shared_tmpdir("trainer_model_parallel" + ("" if distributed else ".ckpt"))
+    path = checkpoint_path("trainer_model_parallel" + ("" if distributed else ".ckpt"))
     trainer.save_checkpoint(path)
     return path, module.snapshot
 
@@ -205,7 +214,7 @@ def trainer_model_parallel_sharded_checkpoint_loads():
     path, expected = trainer_model_parallel_checkpoint(distributed=True)
     keys = {k.split(".", 1)[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
     assert keys == {"state_dict", "optimizer_0"}, keys  # pytorch/strategies/model_parallel.py l. 317-320
-    return load_into_ours(path, expected)
+    return load_into_ours(path, expected, {"global_step": STEPS})
 
 
 @case
@@ -214,7 +223,7 @@ def trainer_model_parallel_full_checkpoint_loads():
     contents = torch.load(path, weights_only=False)
     assert isinstance(contents["optimizer_states"], list) and "state_dict" in contents, sorted(contents)
     assert isinstance(next(iter(contents["optimizer_states"][0]["state"])), int)  # ids, model_parallel.py l. 290
-    return load_into_ours(path, expected)
+    return load_into_ours(path, expected, {"global_step": STEPS})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -283,9 +292,9 @@ def fsdp1_fabric_full_layout_loads():
     # Optimizer -> `FSDP.optim_state_dict(module, obj)` (names, NOT re-keyed), the rest as is; one dict, under the
     # user's keys, `torch.save`d by rank 0.
     model, optimizer = trained_plain()
-    path = shared_tmpdir("fsdp1_fabric_full.pt")
+    path = checkpoint_path("fsdp1_fabric_full.pt")
     write_file({"model": model.state_dict(), "optimizer": named_optimizer_state(model, optimizer), "step": STEPS}, path)
-    return load_into_ours(path, plain_snapshot(model, optimizer))
+    return load_into_ours(path, plain_snapshot(model, optimizer), {"step": STEPS})
 
 
 @case
@@ -293,9 +302,9 @@ def fsdp1_fabric_sharded_layout_loads():
     # fabric/strategies/fsdp.py l. 460-490: under the SHARDED context, Modules and Optimizers (converted as above)
     # under the user's keys go to `_distributed_checkpoint_save`; the rest to meta.pt by rank 0.
     model, optimizer = trained_plain()
-    path = shared_tmpdir("fsdp1_fabric_sharded")
+    path = checkpoint_path("fsdp1_fabric_sharded")
     write_dcp({"model": model.state_dict(), "optimizer": named_optimizer_state(model, optimizer)}, {"step": STEPS}, path)
-    return load_into_ours(path, plain_snapshot(model, optimizer))
+    return load_into_ours(path, plain_snapshot(model, optimizer), {"step": STEPS})
 
 
 @case
@@ -307,9 +316,9 @@ def fsdp1_trainer_full_layout_loads():
     # (l. 578-581) hands the dict to the CheckpointIO: `torch.save` on rank 0.
     model, optimizer = trained_plain()
     by_id = FSDP.rekey_optim_state_dict(named_optimizer_state(model, optimizer), OptimStateKeyType.PARAM_ID, model)
-    path = shared_tmpdir("fsdp1_trainer_full.ckpt")
+    path = checkpoint_path("fsdp1_trainer_full.ckpt")
     write_file({**trainer_metadata(), "state_dict": model.state_dict(), "optimizer_states": [by_id]}, path)
-    return load_into_ours(path, plain_snapshot(model, optimizer))
+    return load_into_ours(path, plain_snapshot(model, optimizer), {"global_step": STEPS})
 
 
 @case
@@ -318,10 +327,10 @@ def fsdp1_trainer_sharded_layout_loads():
     # SHARDED `FSDP.optim_state_dict`, names, l. 530-532) go to `_distributed_checkpoint_save`; what remains of the
     # checkpoint dict goes to meta.pt.
     model, optimizer = trained_plain()
-    path = shared_tmpdir("fsdp1_trainer_sharded")
+    path = checkpoint_path("fsdp1_trainer_sharded")
     write_dcp({"model": model.state_dict(), "optimizer_0": named_optimizer_state(model, optimizer)},
               trainer_metadata(), path)
-    return load_into_ours(path, plain_snapshot(model, optimizer))
+    return load_into_ours(path, plain_snapshot(model, optimizer), {"global_step": STEPS})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -337,7 +346,7 @@ def our_sharded_checkpoint() -> tuple[Path, dict[str, Any]]:
         fabric.backward(loss_fn(model, global_batch(step, 1)))
         optimizer.step()
         optimizer.zero_grad()
-    path = shared_tmpdir("ours")
+    path = checkpoint_path("ours")
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
     assert path.is_dir(), "the default state_dict_type should write a sharded checkpoint"
     return path, snapshot(model, optimizer)
@@ -362,14 +371,21 @@ def consolidate_command_reads_our_sharded_checkpoint():
     path, expected = our_sharded_checkpoint()
     output = path.with_name("consolidated.pt")
     if dist.get_rank() == 0:
-        command = [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(path),
-                   "--output_file", str(output)]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0 and output.is_file(), f"rc={run.returncode}\n{run.stdout}\n{run.stderr}"
+        # `python -m lightning.fabric.utilities.consolidate_checkpoint <dir> --output_file <file>`, run in this process
+        # as `-m` runs it (its `__main__` block), which saves a second interpreter start-up.
+        argv = sys.argv
+        sys.argv = ["consolidate_checkpoint", str(path), "--output_file", str(output)]
+        try:
+            runpy.run_module("lightning.fabric.utilities.consolidate_checkpoint", run_name="__main__")
+        except SystemExit as exit:  # how the command reports a folder it refuses
+            raise AssertionError(f"the command refused {str(path)!r} (exit status {exit.code})") from exit
+        finally:
+            sys.argv = argv
+        assert output.is_file(), "the command wrote nothing"
     dist.barrier()
     assert_consolidated(torch.load(output, weights_only=True), expected)
     # The consolidated file is a full checkpoint of our own layout: it loads back.
-    return load_into_ours(output, expected)
+    return load_into_ours(output, expected, {"step": STEPS})
 
 
 if __name__ == "__main__":

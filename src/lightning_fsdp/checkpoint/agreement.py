@@ -35,24 +35,35 @@ class CheckpointError(RuntimeError):
 def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
     """Run ``step`` on this rank; if it fails on any rank, raise on every rank.
 
-    The rank that failed re-raises its own exception. The others raise the same built-in exception type (so
-    ``except IsADirectoryError`` works everywhere) with the failing rank's message, or ``CheckpointError`` when the
-    type is not a built-in one.
+    Every rank raises the same exception: the failing rank's type when it is a built-in one (so
+    ``except IsADirectoryError`` works everywhere), else ``CheckpointError``; the message says what was being done,
+    which rank failed and why. The failing rank chains its original exception.
     """
     result: Optional[T] = None
     mine: Optional[BaseException] = None
     try:
         result = step()
-    except Exception as err:  # noqa: BLE001 - reported to every rank below
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         mine = err
-    first = comm.agree(None if mine is None else (type(mine).__name__, str(mine)))
+    first = comm.agree(None if mine is None else (type(mine).__name__, _short(str(mine))))
     if first is None:
         return result  # type: ignore[return-value]
     rank, (type_name, message) = first
-    if mine is not None and rank == comm.global_rank:
-        raise mine
     kind = getattr(builtins, type_name, None)
     text = f"{what} failed on rank {rank}: {message}"
-    if isinstance(kind, type) and issubclass(kind, Exception):
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not RuntimeError:
         raise kind(text) from mine
     raise CheckpointError(f"{text} ({type_name})") from mine
+
+
+def _short(message: str, limit: int = 1500) -> str:
+    """DCP's errors carry every rank's full traceback; keep the lines that say what went wrong."""
+    if "Traceback" in message:
+        lines = message.splitlines()
+        summary = [lines[0]] + [
+            line for line in lines[1:] if line and not line[0].isspace() and not line.startswith("Traceback")
+        ]
+        message = " | ".join(dict.fromkeys(summary))
+    return message if len(message) <= limit else message[:limit] + " [...]"

@@ -95,6 +95,7 @@ def _load_sharded(
         return metadata, set(_dcp_top_level_keys(source)) | set(metadata)
 
     metadata, available = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
+    together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source))
     _check_requested(state, available, strict)
     tensors: dict[str, Any] = {k: get_model_state_dict(m) for k, m in split.models.items() if k in available}
     for key, optimizer in split.optimizers.items():
@@ -180,6 +181,26 @@ def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only
         return models[0]
 
     return together(comm, f"Finding the model in {str(source)!r}", find)
+
+
+def _check_shard_files(source: Path) -> None:
+    """Name a missing or truncated ``.distcp`` file before DCP trips over it with an anonymous read error: the
+    metadata records where in which file every piece lives, so each file must reach the end of its last piece."""
+    metadata = dcp.FileSystemReader(source).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = source / name
+        if not file.is_file():
+            raise FileNotFoundError(f"the shard file {str(file)!r} is missing. HINT: the checkpoint is incomplete; load an earlier one.")
+        actual = file.stat().st_size
+        if actual < size:
+            raise ValueError(
+                f"the shard file {str(file)!r} is truncated ({actual} bytes, the metadata needs {size}). HINT: the"
+                " checkpoint is damaged; load an earlier one."
+            )
 
 
 def _check_requested(state: dict[str, Any], available, strict: bool) -> None:

@@ -1,0 +1,179 @@
+"""The ``lightning-fsdp`` command (also ``python -m lightning_fsdp``): inspect and convert checkpoints.
+
+    lightning-fsdp inspect PATH [--tensors] [--json]
+    lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY] [--overwrite]
+
+It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
+for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
+path, an existing DST without ``--overwrite``, a bad option), with one line on stderr that names the problem and
+the fix; 1 when the system fails the conversion (a full disk, a permission), also as one line; 130 when interrupted.
+A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
+
+The progress bar goes to stderr while ``convert`` runs, when stderr is a terminal; ``--progress`` shows it
+anyway (in a log file, say) and ``--no-progress`` hides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from lightning_fsdp.checkpoint.convert import FORMATS, UsageError, convert, describe, open_checkpoint, parse_size
+
+__all__ = ["main"]
+
+PROG = "lightning-fsdp"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        return args.run(args)
+    except UsageError as err:
+        return _fail(str(err), 2)
+    except OSError as err:
+        return _fail(f"{err}. HINT: check free space and permissions where DST goes, then run the command again.", 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted; DST was left as it was.", 130)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the usage and the error on several lines; ours is one line, like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}. HINT: see `{self.prog} --help`.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Inspect and convert lightning-fsdp checkpoints (full and sharded).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert}")
+
+    inspect = commands.add_parser("inspect", help="show what a checkpoint holds",
+                                  description="Show a checkpoint's format, world size, models, optimizers and"
+                                              " metadata. Reads metadata only.")
+    inspect.add_argument("path", metavar="PATH", help="a full checkpoint file or a sharded checkpoint directory")
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor's name, shape and dtype")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_allow_pickle(inspect)
+    inspect.set_defaults(run=_inspect)
+
+    conv = commands.add_parser("convert", help="convert a checkpoint to another format",
+                               description="Convert between full and sharded checkpoints, or export model weights"
+                                           " to safetensors. Streams tensors; DST appears only once complete.")
+    conv.add_argument("src", metavar="SRC", help="a full checkpoint file or a sharded checkpoint directory")
+    conv.add_argument("dst", metavar="DST", help="where to write the result")
+    conv.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
+    conv.add_argument("--max-shard-size", type=_size, metavar="SIZE",
+                      help="safetensors only: split the weights into shards of at most SIZE (e.g. 500MB, 2GiB) plus"
+                           " model.safetensors.index.json; peak memory is about one shard")
+    conv.add_argument("--model", metavar="KEY",
+                      help="safetensors only: export just this model, with unprefixed names (default: every model,"
+                           " names prefixed with the model's key when there are several)")
+    conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never non-checkpoint files)")
+    conv.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="show a progress bar on stderr (default: when stderr is a terminal)")
+    _add_allow_pickle(conv)
+    conv.set_defaults(run=_convert)
+    return parser
+
+
+def _add_allow_pickle(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="unpickle entries that are not tensors or plain data; this can run arbitrary code, so"
+                             " use it only for checkpoints you trust")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).rstrip(".")) from err
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info = describe(open_checkpoint(args.path, allow_pickle=args.allow_pickle), tensors=args.tensors)
+    print(json.dumps(info, indent=2) if args.json else _render(info))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    bar = _Bar(f"{args.to:<11}", sys.stderr) if show else None
+    try:
+        target = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
+                         overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"wrote {target} ({args.to})")
+    return 0
+
+
+def _render(info: dict[str, Any]) -> str:
+    world = f"{info['world_size']}" if info["format"] == "sharded" else "1 (single file)"
+    lines = [f"checkpoint   {info['path']}", f"format       {info['format']}", f"world size   {world}"]
+    if not info["models"]:
+        lines.append("models       (none)")
+    for key, model in info["models"].items():
+        lines.append(f"model        {key}: {model['parameters']:,} parameters, {_bytes(model['bytes'])}")
+        for dtype, counts in model["dtypes"].items():
+            lines.append(f"               {dtype:<10} {counts['parameters']:>15,} parameters  {_bytes(counts['bytes'])}")
+    if not info["optimizers"]:
+        lines.append("optimizers   (none)")
+    for key, opt in info["optimizers"].items():
+        groups = opt["param_groups"]
+        lines.append(f"optimizer    {key}: {opt['state_tensors']:,} state tensors, {_bytes(opt['bytes'])},"
+                     f" {groups} param group{'s' if groups != 1 else ''}")
+    lines.append(f"metadata     {', '.join(info['metadata_keys']) or '(none)'}")
+    if "tensors" in info:
+        lines.append("tensors")
+        width = max((len(t["name"]) for t in info["tensors"]), default=0)
+        for t in info["tensors"]:
+            lines.append(f"  {t['name']:<{width}}  {str(t['shape']):<16} {t['dtype']}")
+    return "\n".join(lines)
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+class _Bar:
+    """A one-line progress bar, redrawn in place at most ten times a second; no dependency."""
+
+    def __init__(self, label: str, stream: TextIO, width: int = 30) -> None:
+        self.label, self.stream, self.width = label, stream, width
+        self.last = 0.0
+        self.state = self.drawn = (0, -1)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.state = (done, total)
+        now = time.monotonic()
+        if now - self.last >= 0.1 or done == total:
+            self.last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        done, total = self.drawn = self.state
+        fraction = done / total if total else 1.0
+        filled = int(fraction * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self.label} {fraction:4.0%} [{bar}] {_bytes(done)} / {_bytes(total)}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn != self.state:
+            self._draw()
+        self.stream.write("\n")
+        self.stream.flush()

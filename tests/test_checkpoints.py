@@ -1,0 +1,29 @@
+"""Two-rank checkpoint cases (see ``workers/checkpoints.py``), one launch for all of them."""
+
+import pytest
+
+from launch import launch
+
+CASES = [
+    "round_trip_is_exact_and_training_continues_identically",
+    "missing_key_is_a_key_error_and_strict_false_tolerates_it",
+    "filters_work_for_sharded_and_full_and_load_with_strict_false",
+    "several_models_and_optimizers_in_one_checkpoint",
+    "full_and_sharded_replace_each_other_at_the_same_path",
+    "bad_save_arguments_are_clear_errors",
+    "corrupted_checkpoints_fail_on_every_rank_naming_the_file",
+    "unpickling_needs_an_explicit_opt_in",
+    "plain_single_device_checkpoint_loads_into_the_sharded_model",
+    "async_save_returns_early_and_the_checkpoint_is_complete",
+    "async_save_errors_surface_at_the_next_call",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("checkpoints.py", 2, tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(results, name):
+    results.check(name)

@@ -1,0 +1,338 @@
+"""Two-rank checkpoint cases: round trips, filters, several models, formats, safety, async saves.
+
+Each case compares exactly (atol=0): checkpoints move bits, they do not compute.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from common import full, full_params, loss_fn, make_fabric
+from harness import case, run_cases
+from lightning_fsdp.checkpoint import CheckpointError
+from models import TinyTransformer, make_batch
+
+WORLD = 2
+
+
+def _dir(fabric) -> Path:
+    return Path(fabric.broadcast(tempfile.mkdtemp()))
+
+
+def _setup(fabric, seed=0, lr=1e-2):
+    torch.manual_seed(seed)
+    plain = TinyTransformer()
+    return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=lr))
+
+
+def _train(fabric, model, opt, steps=2, start=0):
+    for step in range(start, start + steps):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+
+
+def _opt_state(opt) -> dict:
+    return {
+        (i, k): full(v).clone()
+        for i, per_param in opt.state_dict()["state"].items()
+        for k, v in per_param.items()
+        if torch.is_tensor(v)
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class Counter:
+    """A Stateful object: saved through state_dict(), restored through load_state_dict()."""
+
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+@case
+def round_trip_is_exact_and_training_continues_identically():
+    report = {}
+    for kind in ("sharded", "full"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        model, opt = _setup(fabric)
+        _train(fabric, model, opt)
+        path = _dir(fabric) / kind
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 2, "counter": Counter(5), "extra": [1, 2]})
+        saved_params, saved_opt = full_params(model), _opt_state(opt)
+
+        model2, opt2 = _setup(fabric, seed=9)
+        counter = Counter()
+        state = {"model": model2, "optimizer": opt2, "step": 0, "counter": counter}
+        rest = fabric.load(path, state)
+        assert state["step"] == 2 and counter.n == 5, (state["step"], counter.n)
+        assert rest == {"extra": [1, 2]}, rest
+        assert _same(saved_params, full_params(model2)), f"{kind}: parameters differ"
+        assert _same(saved_opt, _opt_state(opt2)), f"{kind}: optimizer state differs"
+        assert opt2.param_groups[0]["lr"] == 1e-2
+        _train(fabric, model, opt, start=5)
+        _train(fabric, model2, opt2, start=5)
+        assert _same(full_params(model), full_params(model2)), f"{kind}: training diverged after resume"
+        report[kind] = "exact"
+    return report
+
+
+@case
+def missing_key_is_a_key_error_and_strict_false_tolerates_it():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    path = _dir(fabric) / "ck"
+    fabric.save(path, {"model": model})
+    try:
+        fabric.load(path, {"model": model, "optimizer": opt})
+        raise AssertionError("a missing optimizer key was accepted")
+    except KeyError as err:
+        assert "'optimizer'" in str(err) and "strict=False" in str(err), str(err)
+    fabric.load(path, {"model": model, "optimizer": opt}, strict=False)
+    return "ok"
+
+
+@case
+def filters_work_for_sharded_and_full_and_load_with_strict_false():
+    report = {}
+    only_blocks = {"model": lambda k, v: k.startswith("blocks.")}
+    for kind in ("sharded", "full"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        model, opt = _setup(fabric)
+        _train(fabric, model, opt, steps=1)
+        path = _dir(fabric) / kind
+        fabric.save(path, {"model": model, "step": 1}, filter=only_blocks)
+        saved = full_params(model)
+        if kind == "full":
+            keys = sorted(torch.load(path, weights_only=True)["model"])
+            assert keys and all(k.startswith("blocks.") for k in keys), keys
+        fresh, _ = _setup(fabric, seed=3)
+        before = full_params(fresh)
+        fabric.load(path, {"model": fresh}, strict=False)
+        after = full_params(fresh)
+        for k in after:
+            expected = saved[k] if k.startswith("blocks.") else before[k]
+            assert torch.equal(after[k], expected), f"{kind}: {k}"
+        report[kind] = "filtered"
+    return report
+
+
+@case
+def several_models_and_optimizers_in_one_checkpoint():
+    fabric = make_fabric(WORLD)
+    gen, gen_opt = _setup(fabric, seed=1)
+    disc, disc_opt = _setup(fabric, seed=2)
+    _train(fabric, gen, gen_opt, steps=1)
+    _train(fabric, disc, disc_opt, steps=1, start=3)
+    path = _dir(fabric) / "gan"
+    fabric.save(path, {"generator": gen, "discriminator": disc, "opt_d": disc_opt, "opt_g": gen_opt})
+    expected = {k: full_params(m) for k, m in (("g", gen), ("d", disc))}
+    opts = {k: _opt_state(o) for k, o in (("g", gen_opt), ("d", disc_opt))}
+    g2, g2_opt = _setup(fabric, seed=7)
+    d2, d2_opt = _setup(fabric, seed=8)
+    fabric.load(path, {"generator": g2, "discriminator": d2, "opt_d": d2_opt, "opt_g": g2_opt})
+    assert _same(expected["g"], full_params(g2)) and _same(expected["d"], full_params(d2))
+    assert _same(opts["g"], _opt_state(g2_opt)) and _same(opts["d"], _opt_state(d2_opt))
+    # An optimizer whose model is not in the state is a clear error.
+    try:
+        fabric.save(path, {"generator": gen, "opt_d": disc_opt})
+        raise AssertionError("an optimizer without its model was accepted")
+    except ValueError as err:
+        assert "'opt_d'" in str(err) and "belong to no model" in str(err), str(err)
+    return "ok"
+
+
+@case
+def full_and_sharded_replace_each_other_at_the_same_path():
+    report = []
+    path = None
+    for kind in ("sharded", "full", "sharded"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        model, opt = _setup(fabric, seed=len(report))
+        path = path or _dir(fabric) / "ck"
+        fabric.save(path, {"model": model, "optimizer": opt})
+        assert path.is_dir() == (kind == "sharded"), (kind, path.is_dir())
+        other, other_opt = _setup(fabric, seed=99)
+        fabric.load(path, {"model": other, "optimizer": other_opt})
+        assert _same(full_params(model), full_params(other)), kind
+        report.append(kind)
+    leftovers = [p.name for p in path.parent.iterdir() if p.name != path.name]
+    assert not leftovers, f"staging or backup copies left behind: {leftovers}"
+    return report
+
+
+@case
+def bad_save_arguments_are_clear_errors():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    path = _dir(fabric) / "ck"
+    outcomes = {}
+    for label, call, exc, needle in (
+        ("storage_options", lambda: fabric.strategy.save_checkpoint(path, {"model": model}, storage_options={}),
+         TypeError, "storage_options"),
+        ("no_model", lambda: fabric.save(path, {"step": 1}), ValueError, "holds no model"),
+        ("not_set_up", lambda: fabric.save(path, {"model": TinyTransformer()}), ValueError, "not set up"),
+    ):
+        try:
+            call()
+            outcomes[label] = "accepted"
+        except exc as err:
+            assert needle in str(err) and "HINT" in str(err), str(err)
+            outcomes[label] = type(err).__name__
+    assert set(outcomes.values()) <= {"TypeError", "ValueError"}, outcomes
+    return outcomes
+
+
+@case
+def corrupted_checkpoints_fail_on_every_rank_naming_the_file():
+    report = {}
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    root = _dir(fabric)
+    sharded = root / "sharded"
+    fabric.save(sharded, {"model": model, "optimizer": opt})
+    full_fabric = make_fabric(WORLD, state_dict_type="full")
+    full_path = root / "full.pt"
+    full_fabric.save(full_path, {"model": model, "optimizer": opt})
+    fabric.barrier()
+    victims = {
+        "shard": sharded / "__1_0.distcp",  # read by rank 1 only... and by rank 0 for its own pieces? either way
+        "meta": sharded / "meta.pt",
+        "full": full_path,
+    }
+    for label, victim in victims.items():
+        if fabric.global_rank == 0:
+            data = victim.read_bytes()
+            victim.write_bytes(data[: len(data) // 2])
+        fabric.barrier()
+        target = full_path if label == "full" else sharded
+        start = time.monotonic()
+        try:
+            fabric.load(target, {"model": model, "optimizer": opt})
+            raise AssertionError(f"{label}: a truncated checkpoint loaded")
+        except (CheckpointError, ValueError, RuntimeError) as err:
+            message = str(err)
+            assert str(target) in message, f"{label}: the error does not name the checkpoint: {message}"
+            report[label] = {"type": type(err).__name__, "seconds": round(time.monotonic() - start, 2)}
+        if fabric.global_rank == 0:
+            victim.write_bytes(data)
+        fabric.barrier()
+    return report
+
+
+@case
+def unpickling_needs_an_explicit_opt_in():
+    fabric = make_fabric(WORLD, state_dict_type="full")
+    model, opt = _setup(fabric)
+    path = _dir(fabric) / "ck.pt"
+    fabric.save(path, {"model": model, "config": Counter(3)})  # a custom class, pickled as such? no: state_dict
+    # Write a checkpoint whose metadata holds an arbitrary object, as an older tool might have.
+    if fabric.global_rank == 0:
+        contents = torch.load(path, weights_only=True)
+        contents["config"] = Counter(3)
+        torch.save(contents, path)
+    fabric.barrier()
+    try:
+        fabric.load(path, {"model": model})
+        raise AssertionError("arbitrary unpickling happened without opt-in")
+    except Exception as err:  # noqa: BLE001
+        assert "weights_only=False" in str(err), str(err)
+    rest = fabric.load(path, {"model": model}, weights_only=False)
+    assert isinstance(rest["config"], Counter) and rest["config"].n == 3
+    return "ok"
+
+
+@case
+def plain_single_device_checkpoint_loads_into_the_sharded_model():
+    fabric = make_fabric(WORLD)
+    torch.manual_seed(4)
+    plain = TinyTransformer()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    loss_fn(plain, make_batch(0, 0)).backward()
+    plain_opt.step()
+    path = _dir(fabric) / "plain.pt"
+    if fabric.global_rank == 0:
+        torch.save({"model": plain.state_dict(), "optimizer": plain_opt.state_dict()}, path)
+    fabric.barrier()
+    model, opt = _setup(fabric, seed=11)
+    fabric.load(path, {"model": model, "optimizer": opt})
+    assert _same({k: v for k, v in plain.state_dict().items()}, full_params(model))
+    names = [n for n, _ in plain.named_parameters()]
+    expected = {(names[i], k): v for i, s in plain_opt.state_dict()["state"].items() for k, v in s.items()}
+    got_sd = opt.state_dict()
+    got = {}
+    order = [n.removeprefix("_forward_module.") for n, _ in model.named_parameters()]
+    for i, s in got_sd["state"].items():
+        for k, v in s.items():
+            got[(order[i], k)] = full(v)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    return "ok"
+
+
+@case
+def async_save_returns_early_and_the_checkpoint_is_complete():
+    fabric = make_fabric(WORLD, async_save=True)
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt)
+    path = _dir(fabric) / "async"
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2})
+    saved_params, saved_opt = full_params(model), _opt_state(opt)
+    background = fabric.strategy._background_saves
+    in_flight = background.in_flight
+    _train(fabric, model, opt, steps=2, start=2)  # training goes on while the write is in flight
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 4})  # waits for the first, then starts again
+    after_params = full_params(model)
+    other, other_opt = _setup(fabric, seed=5)
+    state = {"model": other, "optimizer": other_opt, "step": 0}
+    fabric.load(path, state)  # waits for the second save
+    assert state["step"] == 4 and _same(after_params, full_params(other))
+    assert not _same(saved_params, after_params)
+    return {"first_save_was_in_flight": in_flight}
+
+
+@case
+def async_save_errors_surface_at_the_next_call():
+    fabric = make_fabric(WORLD, async_save=True)
+    model, opt = _setup(fabric)
+    path = _dir(fabric) / "async"
+    import torch.distributed.checkpoint.filesystem as fs
+
+    original = fs.FileSystemWriter.write_data
+
+    def broken(self, plan, planner):
+        raise OSError("disk full (injected)")
+
+    fs.FileSystemWriter.write_data = broken
+    try:
+        fabric.save(path, {"model": model})
+        try:
+            fabric.save(path, {"model": model})
+            raise AssertionError("the background error was swallowed")
+        except Exception as err:  # noqa: BLE001
+            assert "disk full (injected)" in str(err) or "disk full" in repr(err.__cause__), repr(err)
+            message = str(err)
+    finally:
+        fs.FileSystemWriter.write_data = original
+    assert not path.exists(), "a failed background save left a checkpoint behind"
+    fabric.save(path, {"model": model})
+    fabric.strategy._background_saves.wait(fabric.strategy._engine)
+    assert path.is_dir()
+    return message[:300]
+
+
+if __name__ == "__main__":
+    run_cases()

@@ -1,0 +1,136 @@
+"""A save killed at any point never costs the previous checkpoint.
+
+``LFSDP_KILL_STEPS`` lists what this launch does, in order: ``prepare`` (save v1 of both formats and remember
+them), ``verify`` (both paths still load as exactly v1), and ``kill:<point>`` (start saving v2 and die at that
+point). A killed launch ends with the process gone, so each kill is the last step of its launch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from common import full_params, loss_fn, make_fabric
+from harness import case, run_cases
+from models import TinyTransformer, make_batch
+
+ROOT = Path(os.environ["LFSDP_KILL_DIR"])
+STEPS = os.environ["LFSDP_KILL_STEPS"].split(",")
+WORLD = 2
+
+
+def _model(fabric, seed):
+    torch.manual_seed(seed)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    fabric.backward(loss_fn(model, make_batch(seed, fabric.global_rank)))
+    opt.step()
+    return model, opt
+
+
+def _die(where: str) -> None:
+    print(f"[rank {os.environ.get('RANK')}] killed {where}", flush=True)
+    os._exit(17)
+
+
+def _arm(point: str, rank: int) -> None:
+    """Make this rank die at ``point`` during the next save."""
+    if rank != (1 if point == "sharded_write" else 0):
+        return
+    if point == "sharded_write":
+        import torch.distributed.checkpoint.filesystem as fs
+
+        def write_half_then_die(self, plan, planner):
+            (Path(self.path) / "__1_0.distcp").write_bytes(b"partial")
+            _die("in the middle of writing its DCP shard")
+
+        fs.FileSystemWriter.write_data = write_half_then_die
+    elif point == "full_write":
+        import lightning_fsdp.checkpoint.full_writer as fw
+
+        original = fw.open_zipfile_writer
+
+        class DyingWriter:
+            def __init__(self, path):
+                self.inner = original(path)
+
+            def __enter__(self):
+                writer = self.inner.__enter__()
+                records = {"n": 0}
+                write = writer.write_record
+
+                class Proxy:
+                    def write_record(self, *args):
+                        records["n"] += 1
+                        if records["n"] > 5:
+                            _die("after writing a few records of the full file")
+                        return write(*args)
+
+                return Proxy()
+
+            def __exit__(self, *exc):
+                return self.inner.__exit__(*exc)
+
+        fw.open_zipfile_writer = DyingWriter
+    elif point == "between_renames":
+        import lightning_fsdp.checkpoint.atomic as atomic
+
+        original = atomic.os.replace
+        calls = {"n": 0}
+
+        def replace_then_die(src, dst):
+            original(src, dst)
+            calls["n"] += 1
+            if calls["n"] == 1 and str(dst).endswith(atomic.BACKUP_SUFFIX):
+                _die("after moving the old checkpoint aside, before moving the new one in")
+
+        atomic.os.replace = replace_then_die
+    else:
+        raise ValueError(point)
+
+
+@case
+def run_steps():
+    done = []
+    for step in STEPS:
+        kind, _, point = step.partition(":")
+        if kind == "prepare":
+            for fmt, name in (("sharded", "sharded"), ("full", "full.pt")):
+                fabric = make_fabric(WORLD, state_dict_type=fmt)
+                model, opt = _model(fabric, seed=1)
+                fabric.save(ROOT / name, {"model": model, "optimizer": opt, "version": 1})
+            expected = full_params(model)  # a collective: every rank gathers
+            if fabric.global_rank == 0:
+                torch.save(expected, ROOT / "expected.pt")
+        elif kind == "verify":
+            expected = torch.load(ROOT / "expected.pt", weights_only=True)
+            for fmt, name in (("sharded", "sharded"), ("full", "full.pt")):
+                fabric = make_fabric(WORLD, state_dict_type=fmt)
+                model, opt = _model(fabric, seed=5)
+                state = {"model": model, "optimizer": opt, "version": 0}
+                fabric.load(ROOT / name, state)
+                got = full_params(model)
+                assert state["version"] == 1, f"{name}: version {state['version']}"
+                assert all(torch.equal(got[k], expected[k]) for k in expected), f"{name}: not exactly v1"
+        elif kind == "kill":
+            fmt, name = ("full", "full.pt") if point == "full_write" else ("sharded", "sharded")
+            fabric = make_fabric(WORLD, state_dict_type=fmt)
+            model, opt = _model(fabric, seed=2)
+            _arm(point, fabric.global_rank)
+            fabric.save(ROOT / name, {"model": model, "optimizer": opt, "version": 2})
+            raise AssertionError(f"the save survived the kill at {point}")
+        elif kind == "save_again":
+            for fmt, name in (("sharded", "sharded"), ("full", "full.pt")):
+                fabric = make_fabric(WORLD, state_dict_type=fmt)
+                model, opt = _model(fabric, seed=3)
+                fabric.save(ROOT / name, {"model": model, "optimizer": opt, "version": 3})
+            leftovers = sorted(p.name for p in ROOT.iterdir() if p.name not in ("sharded", "full.pt", "expected.pt"))
+            assert not leftovers, f"staging or backup copies survived the next save: {leftovers}"
+        done.append(step)
+    return done
+
+
+if __name__ == "__main__":
+    run_cases()
