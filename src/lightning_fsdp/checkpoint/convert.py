@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_fsdp.checkpoint import atomic
@@ -277,7 +278,7 @@ def _return_freed_memory() -> None:
     batches. ``malloc_trim`` releases the free pages; it changes no allocation policy, so it is safe in a library.
     """
     if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+        pass  # MUTATION
 
 
 def _drop_file_pages(tensor: torch.Tensor) -> None:
@@ -310,10 +311,18 @@ _LIBC = _find_libc()
 
 @contextlib.contextmanager
 def _single_process() -> Iterator[None]:
-    """DCP warns that it "assumes" one process on every call with ``no_dist=True``; here that is the intent."""
+    """Around every DCP call: silence the warning that it "assumes" one process (``no_dist=True`` is our intent),
+    and raise the original error. DCP wraps every exception, Ctrl-C included, in a ``CheckpointException`` with a
+    multi-line report, which would turn an interrupt or a full disk into a traceback."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        try:
+            yield
+        except CheckpointException as err:
+            failures = [f[0] for f in err.failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException)]
+            if not failures:
+                raise
+            raise failures[0] from err
 
 
 def _load_file(path: Path, allow_pickle: bool) -> Any:
@@ -534,7 +543,7 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         if self.previous is not None:
-            _drop_file_pages(self.previous)
+            pass  # MUTATION
             self.previous = None
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor):

@@ -29,6 +29,13 @@ from torch.optim import Optimizer
 from lightning_fsdp.checkpoint import atomic
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.lightning_layouts import (
+    TRAINER_OPTIMIZER_LIST_KEY,
+    checkpoint_keys_used,
+    fqn_keyed_optimizer_state,
+    read_entry,
+    remap_requested_keys,
+)
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 
 __all__ = ["load_checkpoint"]
@@ -96,20 +103,22 @@ def _load_sharded(
 
     metadata, available = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
     together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source))
-    _check_requested(state, available, strict)
-    tensors: dict[str, Any] = {k: get_model_state_dict(m) for k, m in split.models.items() if k in available}
+    # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
+    where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
+    _check_requested(state, {k for k, v in where.items() if v in available}, strict)
+    tensors: dict[str, Any] = {where[k]: get_model_state_dict(m) for k, m in split.models.items() if where[k] in available}
     for key, optimizer in split.optimizers.items():
-        if key in available:
-            tensors[key] = get_optimizer_state_dict(split.owners[key], optimizer)
+        if where[key] in available:
+            tensors[where[key]] = get_optimizer_state_dict(split.owners[key], optimizer)
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
     together(comm, f"Reading the shards of {str(source)!r}", lambda: dcp.load(tensors, checkpoint_id=source, planner=planner))
     options = StateDictOptions(strict=strict)
     for key, module in split.models.items():
-        if key in tensors:
-            set_model_state_dict(module, tensors[key], options=options)
+        if where[key] in tensors:
+            set_model_state_dict(module, tensors[where[key]], options=options)
     for key, optimizer in split.optimizers.items():
-        if key in tensors:
-            set_optimizer_state_dict(split.owners[key], optimizer, tensors[key], options=options)
+        if where[key] in tensors:
+            set_optimizer_state_dict(split.owners[key], optimizer, tensors[where[key]], options=options)
     return _restore_metadata(state, split, metadata)
 
 
@@ -128,19 +137,42 @@ def _load_full(
             contents.update({next(iter(split.models)): loaded} if bare_model else loaded)
 
     together(comm, f"Reading {str(source)!r}", open_file)
-    tensor_keys = set(split.models) | set(split.optimizers)
-    keys, metadata = comm.broadcast(
-        (list(contents), {k: v for k, v in contents.items() if k not in tensor_keys}) if comm.global_rank == 0 else None
-    )
-    _check_requested(state, keys, strict)
+    entries: dict[str, Any] = {}  # rank 0: the requested models' and optimizers' entries, optimizers keyed by name
+
+    def locate() -> tuple[list[str], dict[str, Any]]:
+        # Lightning's Trainer keeps the model under "state_dict" and its optimizers in the list "optimizer_states",
+        # keyed by parameter id.
+        listed = contents.get(TRAINER_OPTIMIZER_LIST_KEY)
+        count = len(listed) if isinstance(listed, (list, tuple)) else None
+        mapping = remap_requested_keys(contents, list(split.models), list(split.optimizers), num_optimizer_states=count)
+        for key in [*split.models, *split.optimizers]:
+            if key in contents or key in mapping:
+                entry = read_entry(contents, mapping.get(key, key))
+                if key in split.optimizers:
+                    entry = fqn_keyed_optimizer_state(entry, _param_names(split.owners[key], split.optimizers[key]))
+                entries[key] = entry
+        used = set(split.models) | set(split.optimizers) | checkpoint_keys_used(mapping)
+        return list(entries), {k: v for k, v in contents.items() if k not in used}
+
+    # Errors on rank 0 (e.g. an optimizer state that does not fit the optimizer) must reach every rank, or the
+    # others would wait in the state-dict API's broadcast.
+    located = together(comm, f"Reading {str(source)!r}", lambda: locate() if comm.global_rank == 0 else None)
+    found, metadata = comm.broadcast(located)
+    _check_requested(state, [*found, *metadata], strict)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     for key, module in split.models.items():
-        if key in keys:
-            set_model_state_dict(module, contents.get(key, {}), options=options)
+        if key in found:
+            set_model_state_dict(module, entries.get(key, {}), options=options)
     for key, optimizer in split.optimizers.items():
-        if key in keys:
-            set_optimizer_state_dict(split.owners[key], optimizer, contents.get(key, {}), options=options)
+        if key in found:
+            set_optimizer_state_dict(split.owners[key], optimizer, entries.get(key, {}), options=options)
     return _restore_metadata(state, split, metadata)
+
+
+def _param_names(model: Module, optimizer: Optimizer) -> list[str]:
+    """The names of the optimizer's parameters, in its order. Local (no collectives); the state-dict API initializes
+    missing optimizer state, which the load that follows does on every rank anyway."""
+    return [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
 
 
 def _restore_metadata(state: dict, split: SplitState, metadata: dict[str, Any]) -> dict[str, Any]:
