@@ -278,7 +278,7 @@ def _return_freed_memory() -> None:
     batches. ``malloc_trim`` releases the free pages; it changes no allocation policy, so it is safe in a library.
     """
     if _LIBC is not None:
-        pass  # MUTATION
+        _LIBC.malloc_trim(0)
 
 
 def _drop_file_pages(tensor: torch.Tensor) -> None:
@@ -543,7 +543,7 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         if self.previous is not None:
-            pass  # MUTATION
+            _drop_file_pages(self.previous)
             self.previous = None
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor):
@@ -667,12 +667,13 @@ def _insert(root: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _lists_from_int_keys(node: Any) -> Any:
-    """Nodes keyed 0..n-1 were lists (DCP flattens list items under their index, like its own loader reads them)."""
+def _lists_from_int_keys(node: Any, key: Any = None) -> Any:
+    """Nodes keyed 0..n-1 were lists: DCP names list items by their index (and reads them back as lists too).
+    An optimizer's ``state`` is the exception: a dict, keyed by parameter ids in a plain ``state_dict()``."""
     if not isinstance(node, dict):
         return node
-    node = {k: _lists_from_int_keys(v) for k, v in node.items()}
-    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+    node = {k: _lists_from_int_keys(v, k) for k, v in node.items()}
+    if key != "state" and node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
         return [node[i] for i in range(len(node))]
     return node
 

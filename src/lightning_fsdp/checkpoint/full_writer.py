@@ -44,20 +44,32 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
         for tensor in tensors:
             materialize(tensor)
         return
+    # A failed write (disk full) must not stop this rank from taking part in the remaining gathers, or the other
+    # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
+    error: Optional[BaseException] = None
     with open_zipfile_writer(str(path)) as writer:
-        data = io.BytesIO()
-        _Pickler(data, protocol=2).dump(skeleton)
-        payload = data.getvalue()
-        writer.write_record("data.pkl", payload, len(payload))
-        for name, value in ((".format_version", "1"), ("byteorder", sys.byteorder)):
-            writer.write_record(name, value, len(value))
+        try:
+            data = io.BytesIO()
+            _Pickler(data, protocol=2).dump(skeleton)
+            payload = data.getvalue()
+            writer.write_record("data.pkl", payload, len(payload))
+            for name, value in ((".format_version", "1"), ("byteorder", sys.byteorder)):
+                writer.write_record(name, value, len(value))
+        except Exception as err:  # noqa: BLE001 - re-raised below
+            error = err
         for key, tensor in enumerate(tensors):
-            value = materialize(tensor).detach().contiguous()
-            if value.device.type != "cpu":
-                value = value.cpu()
-            storage = value.untyped_storage()
-            writer.write_record(f"data/{key}", storage, storage.nbytes())
-            del value, storage  # free before the next tensor is produced
+            value = materialize(tensor)
+            if error is not None:
+                continue
+            try:
+                value = value.detach().contiguous().cpu()
+                storage = value.untyped_storage()
+                writer.write_record(f"data/{key}", storage, storage.nbytes())
+            except Exception as err:  # noqa: BLE001 - re-raised below
+                error = err
+            del value  # free before the next tensor is produced
+    if error is not None:
+        raise error
 
 
 def _gather(tensor: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
-__all__ = ["save_checkpoint", "AsyncSaves"]
+__all__ = ["save_checkpoint", "write_sharded", "write_full", "AsyncSaves"]
 
 Filter = Optional[dict[str, Callable[[str, Any], bool]]]
 
@@ -37,30 +37,42 @@ def save_checkpoint(
     filter: Filter = None,
     background: Optional[AsyncSaves] = None,
 ) -> Path:
-    """Write ``state`` to ``path``, replacing a previous checkpoint there only once the new one is complete.
+    """Write ``state`` (models, optimizers and plain values) to ``path``.
 
     With ``background`` (sharded only), the call returns once the tensors are staged in host memory; the write and
     the final rename happen in a background thread. ``background.wait()`` reports its outcome.
     """
-    target = Path(comm.broadcast(str(path)))
-    together(comm, "Checking the checkpoint path", lambda: atomic.check_replaceable(target))
     split = split_state(state, for_save=True)
     if not split.models:
         raise ValueError(
             "The checkpoint state holds no model. HINT: pass the model that the strategy set up, like so:"
             " `save(path, {'model': model, 'optimizer': optimizer})` (Fabric: `fabric.save`)."
         )
-    staged = atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
     if full:
-        _save_full(split, staged, target, comm, filter)
-    elif background is not None:
-        background.start(_sharded_tensors(split, filter), _filtered(split.metadata, filter), staged, target, comm)
-    else:
-        _save_sharded(_sharded_tensors(split, filter), _filtered(split.metadata, filter), staged, target, comm)
-    return target
+        entries = {key: get_model_state_dict(module) for key, module in split.models.items()}
+        entries.update({key: _optimizer_state(split, key) for key in split.optimizers})
+        return write_full(path, {**_filtered(entries, filter), **_filtered(split.metadata, filter)}, comm)
+    tensors = {key: get_model_state_dict(module) for key, module in split.models.items()}
+    tensors.update({key: _optimizer_state(split, key) for key in split.optimizers})
+    return write_sharded(path, _filtered(tensors, filter), _filtered(split.metadata, filter), comm, background)
 
 
-def _save_sharded(tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm) -> None:
+def write_sharded(
+    path: Union[str, Path],
+    tensors: dict[str, Any],
+    metadata: dict[str, Any],
+    comm: Communicator,
+    background: Optional[AsyncSaves] = None,
+) -> Path:
+    """Write a sharded checkpoint: ``tensors`` (state dicts of DTensors) through DCP, ``metadata`` to ``meta.pt``.
+
+    The building block of :func:`save_checkpoint`, also for fronts whose checkpoints have a layout of their own.
+    """
+    target, staged = _prepare(path, comm)
+    if background is not None:
+        background.start(tensors, metadata, staged, target, comm)
+        return target
+
     def write() -> None:
         if comm.global_rank == 0:
             staged.mkdir(parents=True)
@@ -71,24 +83,27 @@ def _save_sharded(tensors: dict[str, Any], metadata: dict[str, Any], staged: Pat
             atomic.fsync_tree(staged)
 
     _write_then_commit(write, staged, target, comm)
+    return target
 
 
-def _save_full(split: SplitState, staged: Path, target: Path, comm: Communicator, filter: Filter) -> None:
-    """Gather one tensor at a time and stream it into the file, so rank 0 never holds the whole model."""
-    entries: dict[str, Any] = {}
-    for key, module in split.models.items():
-        entries[key] = get_model_state_dict(module)
-    for key, optimizer in split.optimizers.items():
-        entries[key] = _optimizer_state(split, key, full=True)
-    entries = _filtered(entries, filter)
-    metadata = _filtered(split.metadata, filter)
+def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
+    """Write ``obj`` as one ``torch.save`` file from rank 0, gathering DTensors one at a time as they are written,
+    so rank 0 never holds the whole model (:mod:`.full_writer`)."""
+    target, staged = _prepare(path, comm)
 
     def write() -> None:
-        write_full_checkpoint(staged, {**entries, **metadata}, is_writer=comm.global_rank == 0)
+        write_full_checkpoint(staged, obj, is_writer=comm.global_rank == 0)
         if comm.global_rank == 0:
             atomic.fsync_tree(staged)
 
     _write_then_commit(write, staged, target, comm)
+    return target
+
+
+def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
+    target = Path(comm.broadcast(str(path)))
+    together(comm, "Checking the checkpoint path", lambda: atomic.check_replaceable(target))
+    return target, atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
 
 
 def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
@@ -103,17 +118,11 @@ def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, co
         raise
 
 
-def _sharded_tensors(split: SplitState, filter: Filter) -> dict[str, Any]:
-    tensors: dict[str, Any] = {key: get_model_state_dict(module) for key, module in split.models.items()}
-    for key in split.optimizers:
-        tensors[key] = _optimizer_state(split, key, full=False)
-    return _filtered(tensors, filter)
-
-
-def _optimizer_state(split: SplitState, key: str, full: bool) -> dict[str, Any]:
+def _optimizer_state(split: SplitState, key: str) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter names, values still sharded (a full save gathers them one at a time
+    while writing)."""
     optimizer = split.optimizers[key]
     fresh = not optimizer.state
-    # Full state dicts keep DTensors here too: `write_full_checkpoint` gathers them one at a time.
     state = get_optimizer_state_dict(split.owners[key], optimizer, options=StateDictOptions(full_state_dict=False))
     if fresh:
         # The state-dict API fills missing state with a zero-gradient step; undo that on the live optimizer, so
