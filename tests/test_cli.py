@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -36,10 +37,10 @@ def memory_run(tmp_path_factory):
     """Start the memory measurement at once: it writes and converts 200 MB, and runs while the other tests do."""
     out = tmp_path_factory.mktemp("convert_memory")
     proc = subprocess.Popen([sys.executable, str(WORKERS / "convert_memory.py"), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     yield proc, out
-    if proc.poll() is None:
-        proc.kill()
+    if proc.poll() is None:  # the memory test was deselected or failed early: stop the run and its child
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
     shutil.rmtree(out, ignore_errors=True)  # 1.2 GB; pytest keeps old temp directories around
 
@@ -179,6 +180,18 @@ def test_a_bare_state_dict_file_converts_as_one_model(tmp_path, capsys):
     assert_same(load(tmp_path / "full.pt"), {"model": weights})  # the key our loader reads
 
 
+def test_optimizer_state_keyed_by_parameter_ids_round_trips(tmp_path, capsys):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    contents = {"model": dict(model.state_dict()), "optimizer": opt.state_dict()}  # state keyed 0, 1
+    torch.save(contents, tmp_path / "plain.pt")
+    assert cli(capsys, "convert", tmp_path / "plain.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
+    assert cli(capsys, "convert", tmp_path / "sharded", tmp_path / "again.pt", "--to", "full")[0] == 0
+    assert_same(load(tmp_path / "again.pt"), load(tmp_path / "plain.pt"))
+
+
 def test_overwrite_replaces_previous_output_only_when_asked(ckpt, tmp_path, capsys):
     target = tmp_path / "out.pt"
     torch.save({"model": {"w": torch.zeros(1)}}, target)
@@ -258,12 +271,16 @@ def _bad_inputs(ckpt: Path, tmp: Path) -> dict[str, tuple[list, str]]:
     (tmp / "w.safetensors").write_bytes(b"\0" * 16)
     (tmp / "user-dir").mkdir()
     (tmp / "user-dir" / "thesis.tex").write_text("precious")
+    shutil.copytree(ckpt / "sharded", tmp / "truncated")
+    shard = tmp / "truncated" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     sharded, full = ckpt / "sharded", ckpt / "full.pt"
     return {
         "missing path": (["inspect", tmp / "nope"], "does not exist"),
         "file that is not a checkpoint": (["inspect", tmp / "notes.txt"], "is not a torch.save zip archive"),
         "directory that is not a checkpoint": (["convert", tmp / "empty-dir", tmp / "o.pt", "--to", "full"],
                                                "without DCP's '.metadata' file"),
+        "truncated shard": (["convert", tmp / "truncated", tmp / "o.pt", "--to", "full"], "could not be read"),
         "safetensors as the source": (["convert", tmp / "w.safetensors", tmp / "o.pt", "--to", "full"],
                                       "cannot be converted back"),
         "existing DST": (["convert", sharded, tmp / "notes.txt", "--to", "full"], "already exists"),
@@ -285,7 +302,7 @@ def _bad_inputs(ckpt: Path, tmp: Path) -> dict[str, tuple[list, str]]:
     }
 
 
-CASES = ["missing path", "file that is not a checkpoint", "directory that is not a checkpoint",
+CASES = ["missing path", "file that is not a checkpoint", "directory that is not a checkpoint", "truncated shard",
          "safetensors as the source", "existing DST", "overwriting user files", "unknown --to", "missing --to",
          "no command", "bad --max-shard-size unit", "zero --max-shard-size", "--max-shard-size without safetensors",
          "shards into a file name", "same format", "DST inside SRC"]
@@ -306,11 +323,24 @@ def test_bad_input_exits_2_with_one_line(ckpt, tmp_path, capsys, case):
 def test_objects_beyond_weights_need_allow_pickle(tmp_path, capsys):
     import argparse  # a hyperparameter Namespace, as in many training scripts: not in weights_only's allowlist
 
-    torch.save({"model": {"w": torch.ones(2)}, "hparams": argparse.Namespace(lr=0.1)}, tmp_path / "ck.pt")
-    status, _, err = cli(capsys, "inspect", tmp_path / "ck.pt")
-    assert status == 2 and err.count("\n") == 1 and "HINT: if you trust this checkpoint" in err and "--allow-pickle" in err
-    status, out, _ = cli(capsys, "inspect", tmp_path / "ck.pt", "--allow-pickle", "--json")
-    assert status == 0 and json.loads(out)["metadata_keys"] == ["hparams"]
+    import torch.distributed.checkpoint as dcp
+
+    hparams = argparse.Namespace(lr=0.1)
+    torch.save({"model": {"w": torch.ones(2)}, "hparams": hparams}, tmp_path / "ck.pt")
+    # In DCP, a param group entry: DCP's own loader would unpickle it with weights_only=False.
+    groups = [{"hp": hparams, "params": ["w"]}]
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {}, "param_groups": groups}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "sharded"), no_dist=True)
+    for path, entry in ((tmp_path / "ck.pt", f"{str(tmp_path / 'ck.pt')!r} holds objects"),
+                        (tmp_path / "sharded", "The entry 'optimizer.param_groups.0.hp'")):
+        status, _, err = cli(capsys, "inspect", path)
+        assert status == 2 and err.count("\n") == 1 and entry in err, err
+        assert "HINT: if you trust this checkpoint" in err and "--allow-pickle" in err
+        status, out, _ = cli(capsys, "inspect", path, "--allow-pickle", "--json")
+        assert status == 0 and json.loads(out)["format"] in ("full", "sharded")
+    _, out, _ = cli(capsys, "inspect", tmp_path / "ck.pt", "--allow-pickle", "--json")
+    assert json.loads(out)["metadata_keys"] == ["hparams"]
 
 
 def test_entry_points_run_as_commands(ckpt, tmp_path):
@@ -342,5 +372,6 @@ def test_conversions_stream_with_bounded_memory(memory_run):
     # The conversions did convert: every output holds the whole model.
     index = json.loads((out / "out-full-st" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == size and len(set(index["weight_map"].values())) >= 10
-    assert sum(t.nbytes for t in torch.load(out / "out-full.pt", mmap=True, weights_only=True)["model"].values()) == size
+    written = torch.load(out / "out-full.pt", mmap=True, weights_only=True)["model"]
+    assert sum(t.nbytes for t in written.values()) == size
     assert (out / "out-sharded" / "__0_0.distcp").stat().st_size > size

@@ -35,9 +35,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as err:
         return _fail(str(err), 2)
     except OSError as err:
-        return _fail(f"{err}. HINT: check free space and permissions where DST goes, then run the command again.", 1)
+        return _fail(f"{err}. HINT: check that SRC is readable and that DST's directory is writable and has free"
+                     " space, then run the command again.", 1)
     except KeyboardInterrupt:
-        return _fail("interrupted; DST was left as it was.", 130)
+        return _fail("interrupted; no output was changed.", 130)
 
 
 def _fail(message: str, status: int) -> int:
@@ -70,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                                            " to safetensors. Streams tensors; DST appears only once complete.")
     conv.add_argument("src", metavar="SRC", help="a full checkpoint file or a sharded checkpoint directory")
     conv.add_argument("dst", metavar="DST", help="where to write the result")
-    conv.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
+    conv.add_argument("--to", required=True, choices=FORMATS,
+                      help="full: one torch.save file; sharded: a DCP directory plus meta.pt; safetensors: model"
+                           " weights only, one file if DST ends in .safetensors, else a directory")
     conv.add_argument("--max-shard-size", type=_size, metavar="SIZE",
                       help="safetensors only: split the weights into shards of at most SIZE (e.g. 500MB, 2GiB) plus"
                            " model.safetensors.index.json; peak memory is about one shard")
@@ -125,7 +128,8 @@ def _render(info: dict[str, Any]) -> str:
     for key, model in info["models"].items():
         lines.append(f"model        {key}: {model['parameters']:,} parameters, {_bytes(model['bytes'])}")
         for dtype, counts in model["dtypes"].items():
-            lines.append(f"               {dtype:<10} {counts['parameters']:>15,} parameters  {_bytes(counts['bytes'])}")
+            parameters, size = counts["parameters"], _bytes(counts["bytes"])
+            lines.append(f"               {dtype:<10} {parameters:>15,} parameters  {size}")
     if not info["optimizers"]:
         lines.append("optimizers   (none)")
     for key, opt in info["optimizers"].items():

@@ -2,11 +2,11 @@
 
 Nothing here needs a process group, and nothing holds a whole model in memory. A checkpoint is first opened into
 a *tree*: its nested dicts and lists as saved, with every model and optimizer tensor replaced by a
-:class:`TensorEntry` (path, shape, dtype). Opening reads only metadata. Tensors are then read in small batches
-(:data:`READ_BATCH_BYTES`), each written out and freed before the next batch is read:
+:class:`TensorEntry` (path, shape, dtype). Opening reads only metadata. Tensors are then read a little at a time,
+and each is written out and freed before more are read:
 
-- **sharded** sources are read through DCP, one batch of tensors per ``dcp.load`` call (``no_dist=True``);
-- **full** sources are memory-mapped, and mapped afresh for every batch: the pages a mapping has touched count as
+- **sharded** sources are read through DCP, one batch (:data:`READ_BATCH_BYTES`) per ``dcp.load(no_dist=True)``;
+- **full** sources are memory-mapped afresh for every shard written: the pages a mapping has touched count as
   resident memory until the mapping goes, and it goes only once every tensor taken from it is gone.
 
 Peak memory is therefore about one batch plus what the writer must hold: one tensor for a full file (streamed by
@@ -15,6 +15,9 @@ Peak memory is therefore about one batch plus what the writer must hold: one ten
 holds all model weights at once (not the optimizer state). Measured on a 201 MB model of 4 MiB tensors, extra peak
 RSS was 6 MB (full -> sharded) to 21 MB (sharded -> safetensors in 20 MB shards); ``tests/workers/convert_memory.py``
 measures it.
+
+Entries that are not tensors are unpickled with ``weights_only`` unless ``allow_pickle`` is given. DCP's own
+``.metadata`` file is a plain pickle, though, whatever this module does: open sharded checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -121,7 +124,12 @@ class Checkpoint:
         return [leaf for key in chosen for leaf in _leaves(self.tree[key]) if isinstance(leaf, TensorEntry)]
 
     def read(self, entries: Iterable[TensorEntry]) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
-        """Yield each entry with its data, reading a batch at a time. Drop each tensor when done with it."""
+        """Yield each entry with its data. Memory stays bounded as long as the caller drops what it is done with:
+
+        - sharded: read a batch at a time (:data:`READ_BATCH_BYTES`) into fresh memory;
+        - full: views into one fresh memory mapping per call. Pages become resident as they are touched and stay
+          so until every tensor of the call is dropped, so ask for one shard's worth at a time.
+        """
         raise NotImplementedError
 
 
@@ -156,7 +164,8 @@ class _ShardedCheckpoint(Checkpoint):
         self.path = path
         self._allow_pickle = allow_pickle
         self._reader = _CachedReader(path)
-        stored = self._reader.read_metadata()
+        with _reading(path / ".metadata"):
+            stored = self._reader.read_metadata()
         self.world_size = len({int(m.group(1)) for m in map(_DCP_FILE.fullmatch, os.listdir(path)) if m})
         # DCP's save planner records the original key path of each flat name ("planner_data"). It is what tells a
         # dotted parameter name from nesting; a checkpoint without it falls back to the layout every writer uses.
@@ -181,6 +190,8 @@ class _ShardedCheckpoint(Checkpoint):
         # In the sharded layout DCP holds models and optimizers only; everything else went to meta.pt.
         self.optimizers = [k for k, v in self.tree.items() if _is_optimizer(v)]
         self.models = [k for k in self.tree if k not in self.optimizers]
+        for key in self.optimizers:
+            _restore_parameter_ids(self.tree[key])
 
     def _read_objects(self, names: list[str]) -> dict[str, Any]:
         """The entries that are not tensors (optimizer hyperparameters, parameter-name lists): small, read at once."""
@@ -188,7 +199,7 @@ class _ShardedCheckpoint(Checkpoint):
             return {}
         objects: dict[str, Any] = dict.fromkeys(names)
         planner = _Planner(self._allow_pickle)
-        with _single_process():
+        with _reading(self.path), _single_process():
             dcp.load(objects, storage_reader=self._reader, planner=planner, no_dist=True)
         if planner.refused:
             raise UsageError(_needs_pickle(f"The entry {planner.refused[0]!r} of {str(self.path)!r}"))
@@ -198,7 +209,7 @@ class _ShardedCheckpoint(Checkpoint):
         for batch in _batches(entries, READ_BATCH_BYTES):
             _return_freed_memory()  # the previous batch, written and dropped by now
             buffers = {e.name: torch.empty(e.shape, dtype=e.dtype) for e in batch}
-            with _single_process():
+            with _reading(self.path), _single_process():
                 dcp.load(buffers, storage_reader=self._reader, planner=_Planner(self._allow_pickle), no_dist=True)
             for entry in batch:
                 yield entry, buffers.pop(entry.name)
@@ -230,11 +241,11 @@ class _FullCheckpoint(Checkpoint):
         return _load_file(self.path, self._allow_pickle)
 
     def read(self, entries: Iterable[TensorEntry]) -> Iterator[tuple[TensorEntry, torch.Tensor]]:
-        for batch in _batches(entries, READ_BATCH_BYTES):
-            contents = self.load()
-            for entry in batch:
-                yield entry, _get(contents, entry.path[1:] if self.bare else entry.path)
-            del contents  # the mapping goes once the consumer has dropped the tensors it took from it
+        # One mapping per call, not per batch: mapping means unpickling the file's index with `weights_only`,
+        # 0.3 s for 4,000 tensors, which per 8 MiB batch would cost minutes on a 7B model.
+        contents = self.load()
+        for entry in entries:
+            yield entry, _get(contents, entry.path[1:] if self.bare else entry.path)
 
 
 class _CachedReader(dcp.FileSystemReader):
@@ -274,8 +285,9 @@ def _return_freed_memory() -> None:
 
     glibc serves large blocks from mmap at first, but after the first such block is freed it raises its mmap
     threshold (up to 32 MiB), and later tensors of a few MiB come from the heap. Freed heap memory stays resident,
-    fragmented across batches of different sizes: measured here, that was 65% of a 200 MB model converted in 8 MiB
-    batches. ``malloc_trim`` releases the free pages; it changes no allocation policy, so it is safe in a library.
+    fragmented across batches of different sizes: converting a 200 MB model in 8 MiB batches peaked 130 to 230 MB
+    above the start without this. ``malloc_trim`` releases free pages and changes no allocation policy, so it is
+    safe in a library.
     """
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
@@ -326,14 +338,25 @@ def _single_process() -> Iterator[None]:
 
 
 def _load_file(path: Path, allow_pickle: bool) -> Any:
+    with _reading(path):
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
+        except pickle.UnpicklingError as err:  # what `weights_only` raises for objects it refuses
+            raise UsageError(_needs_pickle(repr(str(path)))) from err
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A checkpoint that does not parse is the user's problem to fix (exit 2), not a traceback."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
-    except pickle.UnpicklingError as err:
-        raise UsageError(_needs_pickle(repr(str(path)))) from err
-    except (RuntimeError, EOFError, OSError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"{str(path)!r} could not be read ({first_line}). HINT: it may be truncated or corrupted;"
-                         " use an earlier checkpoint, or save this one again.") from err
+        yield
+    except UsageError:
+        raise
+    except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
+        lines = str(err).strip().splitlines()
+        cause = lines[0] if lines else type(err).__name__
+        raise UsageError(f"{str(path)!r} could not be read ({cause}). HINT: it may be truncated or corrupted; use an"
+                         " earlier checkpoint, or save this one again.") from err
 
 
 def _needs_pickle(what: str) -> str:
@@ -667,15 +690,25 @@ def _insert(root: dict, path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def _lists_from_int_keys(node: Any, key: Any = None) -> Any:
-    """Nodes keyed 0..n-1 were lists: DCP names list items by their index (and reads them back as lists too).
-    An optimizer's ``state`` is the exception: a dict, keyed by parameter ids in a plain ``state_dict()``."""
+def _lists_from_int_keys(node: Any) -> Any:
+    """DCP's key paths hold a dict key as a string and a list item as its int index: nodes keyed 0..n-1 were lists."""
     if not isinstance(node, dict):
         return node
-    node = {k: _lists_from_int_keys(v, k) for k, v in node.items()}
-    if key != "state" and node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+    node = {k: _lists_from_int_keys(v) for k, v in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
         return [node[i] for i in range(len(node))]
     return node
+
+
+def _restore_parameter_ids(optimizer: Any) -> None:
+    """A plain ``optimizer.state_dict()`` keys its state by the int ids listed in ``param_groups[i]["params"]``;
+    DCP turned those keys into strings. Put back the ones the param groups name."""
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict):
+        return
+    groups = optimizer.get("param_groups")
+    ids = {str(p): p for g in groups if isinstance(g, dict) for p in g.get("params", []) if type(p) is int} \
+        if isinstance(groups, list) else {}
+    optimizer["state"] = {ids.get(k, k): v for k, v in optimizer["state"].items()}
 
 
 def _entries(value: Any, path: tuple) -> Any:
