@@ -286,19 +286,21 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
     _train(fabric, model, opt)
-    path = _dir(fabric) / "async"
-    fabric.save(path, {"model": model, "optimizer": opt, "step": 2})
-    saved_params = full_params(model)
-    background = fabric.strategy._background_saves
-    in_flight = background.in_flight
+    root = _dir(fabric)
+    fabric.save(root / "first", {"model": model, "optimizer": opt, "step": 2})
+    first_params, first_opt = full_params(model), _opt_state(opt)
+    in_flight = fabric.strategy._background_saves.in_flight
     _train(fabric, model, opt, steps=2, start=2)  # training goes on while the write is in flight
-    fabric.save(path, {"model": model, "optimizer": opt, "step": 4})  # waits for the first, then starts again
-    after_params = full_params(model)
-    other, other_opt = _setup(fabric, seed=5)
-    state = {"model": other, "optimizer": other_opt, "step": 0}
-    fabric.load(path, state)  # waits for the second save
-    assert state["step"] == 4 and _same(after_params, full_params(other))
-    assert not _same(saved_params, after_params)
+    fabric.save(root / "second", {"model": model, "optimizer": opt, "step": 4})  # waits for the first first
+    second_params = full_params(model)
+    assert not _same(first_params, second_params), "training did not change the parameters"
+    for name, params, step in (("first", first_params, 2), ("second", second_params, 4)):
+        other, other_opt = _setup(fabric, seed=5)
+        state = {"model": other, "optimizer": other_opt, "step": 0}
+        fabric.load(root / name, state)  # waits for the second save
+        assert state["step"] == step and _same(params, full_params(other)), name
+        if name == "first":
+            assert _same(first_opt, _opt_state(other_opt)), "optimizer state of the first save differs"
     return {"first_save_was_in_flight": in_flight}
 
 
