@@ -77,3 +77,20 @@ def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
         torchrun(script, nproc), env=worker_env(out, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
     return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr)
+
+
+def case_tests(script: str, nproc: int, cases: list[str]):
+    """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
+
+    Use at module level: ``results, test_case = case_tests("fabric_core.py", 2, CASES)``.
+    """
+
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory):
+        return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem))
+
+    @pytest.mark.parametrize("name", cases)
+    def test_case(results, name):
+        results.check(name)
+
+    return results, test_case

@@ -1,8 +1,6 @@
 """Two-rank checkpoint cases (see ``workers/checkpoints.py``), one launch for all of them."""
 
-import pytest
-
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "round_trip_is_exact_and_training_continues_identically",
@@ -19,11 +17,4 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("checkpoints.py", 2, tmp_path_factory.mktemp("checkpoints"))
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    results.check(name)
+results, test_case = case_tests("checkpoints.py", 2, CASES)

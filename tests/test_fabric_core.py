@@ -1,8 +1,6 @@
 """Two-rank Fabric cases (see ``workers/fabric_core.py``), one launch for all of them."""
 
-import pytest
-
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "parity_full_shard",
@@ -39,11 +37,4 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("fabric_core.py", 2, tmp_path_factory.mktemp("fabric_core"))
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    results.check(name)
+results, test_case = case_tests("fabric_core.py", 2, CASES)

@@ -1,8 +1,6 @@
 """Two-rank edge cases for the Fabric front (see ``workers/fabric_edges.py``), one launch for all of them."""
 
-import pytest
-
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "separate_setup_remaps_an_optimizer_built_before_setup_module",
@@ -22,11 +20,4 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("fabric_edges.py", 2, tmp_path_factory.mktemp("fabric_edges"))
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    results.check(name)
+results, test_case = case_tests("fabric_edges.py", 2, CASES)

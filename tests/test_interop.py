@@ -1,9 +1,7 @@
 """Lightning's checkpoints load into our strategy, and Lightning's consolidation reads ours (see
 ``workers/interop.py``), two ranks, one launch for all cases."""
 
-import pytest
-
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "fabric_model_parallel_sharded_checkpoint_loads",
@@ -19,11 +17,4 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("interop.py", 2, tmp_path_factory.mktemp("interop"))
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    results.check(name)
+results, test_case = case_tests("interop.py", 2, CASES)
