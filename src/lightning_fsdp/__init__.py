@@ -1,6 +1,7 @@
-"""lightning-fsdp: an FSDP2 strategy for Lightning Fabric (and soon the Trainer).
+"""lightning-fsdp: an FSDP2 strategy for Lightning Fabric and the Lightning Trainer.
 
-Importing the package registers ``"fsdp"``, ``"fsdp_cpu_offload"`` and ``"hsdp"`` in Fabric's strategy registry.
+Importing the package registers ``"fsdp"``, ``"fsdp_cpu_offload"`` and ``"hsdp"`` in Fabric's and in the Trainer's
+strategy registries.
 """
 
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
@@ -11,12 +12,14 @@ __version__ = "0.1.0"
 __all__ = ["FSDPConfig", "ShardingStrategy", "FSDPPrecision", "__version__"]
 
 
-def _register_fabric() -> None:
+def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_fsdp.fabric import FSDPStrategy
+    from lightning_fsdp import fabric, trainer
 
-    FSDPStrategy.register_strategies(STRATEGY_REGISTRY)
+    fabric.FSDPStrategy.register_strategies(STRATEGY_REGISTRY)
+    trainer.FSDPStrategy.register_strategies(StrategyRegistry)
 
 
-_register_fabric()
+_register()

@@ -8,6 +8,7 @@ calls the owners of each concept: :mod:`~lightning_fsdp.mesh`, :mod:`~lightning_
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -22,11 +23,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import grads, sharding
-from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.config import FSDPConfig, check_fsdp1_kwargs
 from lightning_fsdp.failures import explain_collective_failure
 from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
+from lightning_fsdp.registry import register_into
 
-__all__ = ["FSDPEngine"]
+__all__ = ["FSDPEngine", "FrontMixin", "config_arguments"]
 
 T = TypeVar("T")
 
@@ -68,15 +70,23 @@ class FSDPEngine:
     # --- model and optimizers -----------------------------------------------------------------------------
 
     def setup_module(
-        self, module: Module, mp_policy: Optional[MixedPrecisionPolicy], optimizers: Sequence[Optimizer] = ()
+        self,
+        module: Module,
+        mp_policy: Optional[MixedPrecisionPolicy],
+        optimizers: Sequence[Optimizer] = (),
+        *,
+        harness: bool = False,
     ) -> Module:
         """Shard ``module`` in place and point ``optimizers`` (created before setup) at the sharded parameters.
 
         ``mp_policy`` is what the precision setting implies; the strategy's own ``mixed_precision`` overrides it.
+        ``harness=True``: ``module``'s own forward need not run, its code calls submodules (a LightningModule); see
+        :func:`lightning_fsdp.sharding.shard_model`.
         """
         owners = sharding.ParameterOwners(module)
         self._owners.append(owners)
-        result = sharding.shard_model(module, self.config, self.mesh, self.device, self.config.mixed_precision or mp_policy)
+        mp_policy = self.config.mixed_precision or mp_policy
+        result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy, harness=harness)
         _move_metrics_to_device(module, self.device)
         for optimizer in optimizers:
             sharding.remap_optimizer(optimizer, self._owners)
@@ -110,13 +120,16 @@ class FSDPEngine:
         finally:
             self._no_sync_depth -= 1
 
-    def clip_gradients_norm(
-        self, optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
-    ) -> Tensor:
-        with self.guard("gradient clipping"):
+    # Static: the Trainer clips from its precision plugin, which has no handle on the strategy. A failed collective
+    # is then explained with the timeout the process group was created with, the same one the engine holds.
+
+    @staticmethod
+    def clip_gradients_norm(optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+        with explain_collective_failure("gradient clipping"):
             return grads.clip_grad_norm(_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
-    def clip_gradients_value(self, optimizer: Optimizer, clip_val: float) -> None:
+    @staticmethod
+    def clip_gradients_value(optimizer: Optimizer, clip_val: float) -> None:
         grads.clip_grad_value(_params(optimizer), clip_val)
 
     # --- collectives ----------------------------------------------------------------------------------------
@@ -167,6 +180,91 @@ class FSDPEngine:
         with self.guard("broadcast"):
             dist.broadcast_object_list(box, src)
         return box[0]
+
+
+class FrontMixin:
+    """What both fronts' strategy classes answer the same way, mixed in before Lightning's base class.
+
+    Lightning's Fabric and Trainer ``ParallelStrategy`` classes are separate, but they name these members alike
+    (``parallel_devices``, ``local_rank``, ``num_nodes``, ``cluster_environment``, ...), so one definition here
+    serves both fronts and no Lightning import is needed. A front sets ``_engine`` and ``_launcher_class``.
+    """
+
+    _engine: FSDPEngine
+    _launcher_class: type
+
+    @property
+    def config(self) -> FSDPConfig:
+        return self._engine.config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._engine.mesh
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._engine.process_group_backend
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, the replicas of a hybrid mesh included.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def checkpoint_io(self) -> Any:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`."
+        )
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not accept a `CheckpointIO` plugin. HINT: remove it from `plugins=[...]`."
+        )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _refuse_storage_options(self, storage_options: Optional[Any]) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
+            )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._engine.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return self._engine.broadcast(obj, src)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_into(strategy_registry, cls)
+
+
+def config_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a front's constructor ``locals()`` that :meth:`FSDPConfig.from_arguments` takes, after checking
+    its ``**kwargs`` (FSDP1 keywords warn, anything else is a ``TypeError``).
+
+    Both fronts name their arguments as ``from_arguments`` does, so this passes them on without either front listing
+    them a second time, and a new argument reaches both fronts' validation the same way. Call it from the front's
+    ``__init__`` itself: warnings point at the frame that called ``__init__``.
+    """
+    check_fsdp1_kwargs(arguments.get("kwargs", {}))
+    names = inspect.signature(FSDPConfig.from_arguments).parameters
+    return {name: value for name, value in arguments.items() if name in names}
 
 
 def _distributed() -> bool:

@@ -13,32 +13,29 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import checkpoint
-from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType, check_fsdp1_kwargs
-from lightning_fsdp.engine import FSDPEngine
+from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
+from lightning_fsdp.engine import FSDPEngine, FrontMixin, config_arguments
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
-from lightning_fsdp.registry import register_into
 
 __all__ = ["FSDPStrategy"]
 
 
-class FSDPStrategy(ParallelStrategy, _Sharded):
+class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
     """Fully Sharded Data Parallel with torch's FSDP2 ``fully_shard``, for Lightning Fabric.
 
     Accepts the arguments of Lightning's Fabric ``FSDPStrategy`` and gives them their FSDP2 meaning.
@@ -71,6 +68,8 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
             accepted and ignored with a warning; anything else is a ``TypeError``.
     """
 
+    _launcher_class = _SubprocessScriptLauncher
+
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,
@@ -92,20 +91,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_fsdp1_kwargs(kwargs)
-        config = FSDPConfig.from_arguments(
-            sharding_strategy=sharding_strategy,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            activation_checkpointing=activation_checkpointing,
-            state_dict_type=state_dict_type,
-            device_mesh=device_mesh,
-            hybrid_no_sync=hybrid_no_sync,
-            async_save=async_save,
-        )
+        config = FSDPConfig.from_arguments(**config_arguments(locals()))
         own_precision = FSDPPrecision(precision) if isinstance(precision, (str, int)) else precision
         super().__init__(
             accelerator=accelerator,
@@ -121,26 +107,6 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
     # --- properties Lightning reads -----------------------------------------------------------------------
 
     @property
-    def config(self) -> FSDPConfig:
-        return self._engine.config
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        return self._engine.mesh
-
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        raise NotImplementedError(
-            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`."
-        )
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        raise NotImplementedError(
-            f"`{type(self).__name__}` does not accept a `CheckpointIO` plugin. HINT: remove it from `plugins=[...]`."
-        )
-
-    @property
     def precision(self) -> FSDPPrecision:
         return self._precision if isinstance(self._precision, FSDPPrecision) else FSDPPrecision()
 
@@ -151,11 +117,6 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         self._precision = as_fsdp_precision(precision) if precision is not None else None
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -163,24 +124,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._engine.process_group_backend
-
     # --- lifecycle ------------------------------------------------------------------------------------------
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -260,12 +204,6 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Tensor:
         return self._engine.all_reduce(tensor, group=group, reduce_op=reduce_op)
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._engine.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return self._engine.broadcast(obj, src)
-
     # --- checkpoints --------------------------------------------------------------------------------------
 
     def save_checkpoint(
@@ -275,11 +213,7 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
-                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
-            )
+        self._refuse_storage_options(storage_options)
         full = self.config.state_dict_type == "full"
         background = self._background_saves if self.config.async_save and not full else None
         if background is None:
@@ -300,13 +234,6 @@ class FSDPStrategy(ParallelStrategy, _Sharded):
             )
         self._background_saves.wait(self._engine)
         return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine)
-
-    # --- registry -----------------------------------------------------------------------------------------
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_into(strategy_registry, cls)
-
 
 class _EngineBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, engine: FSDPEngine) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any, Literal, Optional, cast
+from typing import Any, Literal, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -202,11 +202,14 @@ class FSDPPrecision(Precision):
             scaler.load_state_dict(state_dict)
 
 
-def as_fsdp_precision(plugin: Optional[Precision]) -> FSDPPrecision:
-    """Translate whatever precision plugin Lightning's connector built into ours."""
+P = TypeVar("P", bound=FSDPPrecision)
+
+
+def as_fsdp_precision(plugin: Optional[Precision], cls: type[P] = FSDPPrecision) -> P:  # type: ignore[assignment]
+    """Translate whatever precision plugin Lightning's connector built into ours (``cls``: the front's class of it)."""
     if plugin is None:
-        return FSDPPrecision()
-    if isinstance(plugin, FSDPPrecision):
+        return cls()
+    if isinstance(plugin, cls):
         return plugin
     name = getattr(plugin, "precision", None)
     if type(plugin) is Precision:
@@ -222,4 +225,4 @@ def as_fsdp_precision(plugin: Optional[Precision]) -> FSDPPrecision:
     # Keep the scaler the user configured (its init_scale, growth_interval, ...). torch's GradScaler also agrees on
     # overflow across ranks: DTensor reduces `found_inf` over the gradients' mesh.
     scaler = getattr(plugin, "scaler", None)
-    return FSDPPrecision(name, scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)
+    return cls(name, scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None)

@@ -1,6 +1,6 @@
 """The strategy names this package puts into Lightning's registries.
 
-``import lightning_fsdp`` registers them for Fabric, overriding Lightning's own FSDP entries, so that
+``import lightning_fsdp`` registers them for Fabric and the Trainer, overriding Lightning's own FSDP entries, so that
 ``Fabric(strategy="fsdp")`` builds our strategy. Lightning's connector still refuses the *string* ``"fsdp"`` on a
 CPU accelerator before it looks at the registry; pass an instance there.
 """

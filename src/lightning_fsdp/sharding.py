@@ -37,6 +37,7 @@ __all__ = [
     "remap_optimizer",
     "no_backward_sync",
     "sync_replicas",
+    "harness_roots",
     "has_meta_tensors",
 ]
 
@@ -84,8 +85,16 @@ def shard_model(
     mesh: DeviceMesh,
     device: torch.device,
     mp_policy: Optional[MixedPrecisionPolicy],
+    *,
+    harness: bool = False,
 ) -> ShardedModel:
-    """Apply activation checkpointing and FSDP2 to ``module`` in place and materialize meta tensors."""
+    """Apply activation checkpointing and FSDP2 to ``module`` in place and materialize meta tensors.
+
+    ``harness=True`` is for a module whose own forward need not run, because its code calls submodules directly (a
+    LightningModule's ``training_step`` calls ``self.model(x)``). FSDP gathers a unit's parameters in the unit's
+    forward, so ``module`` cannot be the root unit there: its top-level submodules that hold parameters outside the
+    policy's units become root units of their own instead (see :func:`harness_roots`).
+    """
     _refuse_fsdp1(module)
     existing_units = _fsdp_units(module)
     if existing_units:
@@ -115,8 +124,12 @@ def shard_model(
     # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
     for unit in reversed(_through_checkpoint_wrappers(module, blocks)):
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    if not isinstance(module, FSDPModule):
-        fully_shard(module, reshard_after_forward=reshard, **kwargs)
+    roots = harness_roots(module) if harness else [module]
+    if harness:
+        summary += f" ({', '.join(type(r).__name__ for r in roots)})"
+    for root in roots:
+        if not isinstance(root, FSDPModule):
+            fully_shard(root, reshard_after_forward=reshard, **kwargs)
 
     was_meta = has_meta_tensors(module)
     if was_meta:  # the per-shard seeding in `_materialize` already keeps replicas identical
@@ -124,6 +137,34 @@ def shard_model(
     if not was_meta:
         sync_replicas(module, mesh, device)
     return ShardedModel(module=module, summary=summary)
+
+
+def harness_roots(module: nn.Module) -> list[nn.Module]:
+    """The top-level submodules of ``module`` that hold parameters no unit manages, looking through containers that
+    have no forward of their own (``ModuleList``, ``ModuleDict``). Each becomes a root unit, so one forward gathers
+    what it uses; several roots (a generator and a discriminator) each run FSDP's usual forward/backward cycle, which
+    is what lets a step run several forwards, backwards and optimizer steps in any order."""
+    managed = {id(p) for unit in _fsdp_units(module) for p in unit.parameters()}
+    roots: list[nn.Module] = []
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        direct = [f"{prefix}{n}" for n, p in parent.named_parameters(recurse=False) if id(p) not in managed]
+        if direct:
+            raise ValueError(
+                f"The parameters {direct[:5]} belong directly to `{type(parent).__name__}`, whose forward is not where"
+                " they are used, so FSDP has no forward in which to gather them. HINT: move each into the submodule"
+                f" whose forward uses it, e.g. from `self.{direct[0]}` to `self.model.{direct[0].rsplit('.', 1)[-1]}`."
+            )
+        for name, child in parent.named_children():
+            if not any(id(p) not in managed for p in child.parameters()):
+                continue
+            if type(child).forward is nn.Module.forward:  # a container: its children are what gets called
+                visit(child, f"{prefix}{name}.")
+            else:
+                roots.append(child)
+
+    visit(module, "")
+    return roots
 
 
 def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners]) -> None:

@@ -47,7 +47,13 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # A failed write (disk full) must not stop this rank from taking part in the remaining gathers, or the other
     # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
     error: Optional[BaseException] = None
-    with open_zipfile_writer(str(path)) as writer:
+    try:
+        archive = open_zipfile_writer(str(path))
+    except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or no permission
+        for tensor in tensors:
+            materialize(tensor)
+        raise
+    with archive as writer:
         try:
             data = io.BytesIO()
             _Pickler(data, protocol=2).dump(skeleton)

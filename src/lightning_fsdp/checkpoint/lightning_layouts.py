@@ -38,6 +38,7 @@ __all__ = [
     "read_entry",
     "checkpoint_keys_used",
     "fqn_keyed_optimizer_state",
+    "id_keyed_optimizer_state",
 ]
 
 TRAINER_MODEL_KEY = "state_dict"
@@ -176,4 +177,19 @@ def fqn_keyed_optimizer_state(osd: dict[str, Any], param_fqns: Sequence[str]) ->
         **osd,
         "state": {name_of[k]: v for k, v in state.items()},
         "param_groups": [{**group, "params": [name_of[p] for p in group["params"]]} for group in groups],
+    }
+
+
+def id_keyed_optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`fqn_keyed_optimizer_state`: an optimizer state dict keyed by parameter names becomes one
+    keyed by integer ids, the ``j``-th name listed in the param groups (in group order) getting id ``j``, exactly as
+    a plain ``optimizer.state_dict()`` numbers them. That is the form the Trainer keeps in a full checkpoint's
+    ``"optimizer_states"``, so that any strategy (DDP, a single device) resumes from it with
+    ``optimizer.load_state_dict``. Values are left as they are."""
+    groups = osd.get("param_groups", [])
+    id_of = {name: j for j, name in enumerate(name for group in groups for name in group["params"])}
+    return {
+        **osd,
+        "state": {id_of[name]: value for name, value in osd.get("state", {}).items()},
+        "param_groups": [{**group, "params": [id_of[name] for name in group["params"]]} for group in groups],
     }

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import atomic
 from lightning_fsdp.checkpoint.agreement import Communicator, together
@@ -23,7 +25,14 @@ from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
-__all__ = ["save_checkpoint", "write_sharded", "write_full", "AsyncSaves"]
+__all__ = [
+    "save_checkpoint",
+    "write_sharded",
+    "write_full",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+    "AsyncSaves",
+]
 
 Filter = Optional[dict[str, Callable[[str, Any], bool]]]
 
@@ -102,7 +111,13 @@ def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
 
 def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
     target = Path(comm.broadcast(str(path)))
-    together(comm, "Checking the checkpoint path", lambda: atomic.check_replaceable(target))
+
+    def check() -> None:
+        atomic.check_replaceable(target)
+        # Like torch.save through Lightning's CheckpointIO, a save creates the folder it writes into.
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    together(comm, "Checking the checkpoint path", check)
     return target, atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
 
 
@@ -119,11 +134,20 @@ def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, co
 
 
 def _optimizer_state(split: SplitState, key: str) -> dict[str, Any]:
+    return sharded_optimizer_state(split.owners[key], split.optimizers[key])
+
+
+def sharded_model_state(module: Module) -> dict[str, Any]:
+    """The model's state dict under clean parameter names, values still sharded (DTensors): the building block of
+    :func:`save_checkpoint`, also for fronts whose checkpoints have a layout of their own."""
+    return get_model_state_dict(split_state({"model": module}, for_save=True).models["model"])
+
+
+def sharded_optimizer_state(module: Module, optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter names, values still sharded (a full save gathers them one at a time
-    while writing)."""
-    optimizer = split.optimizers[key]
+    while writing). ``module`` is the model whose parameters the optimizer updates."""
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(split.owners[key], optimizer, options=StateDictOptions(full_state_dict=False))
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))
     if fresh:
         # The state-dict API fills missing state with a zero-gradient step; undo that on the live optimizer, so
         # saving before the first step does not change training.

@@ -1,0 +1,312 @@
+"""The Trainer front: ``Trainer(strategy=FSDPStrategy(...))`` and ``trainer.strategy`` in LightningCLI YAML.
+
+This module only maps the Lightning Trainer's strategy and precision hooks onto
+:class:`~lightning_fsdp.engine.FSDPEngine` and :mod:`~lightning_fsdp.checkpoint`. Anything that is not about the
+Trainer's API belongs in the engine, so the Fabric front can share it.
+
+How the Trainer's pieces land on the engine:
+
+- the LightningModule is sharded at ``setup`` as a *harness*: its ``training_step`` calls submodules, not its own
+  ``forward``, so its top-level submodules become FSDP root units (see :func:`lightning_fsdp.sharding.harness_roots`);
+- gradient accumulation (``accumulate_grad_batches``, ``toggle_model(sync_grad=False)``) enters the engine's
+  ``no_backward_sync`` through ``block_backward_sync``;
+- gradient clipping, which Lightning routes through the precision plugin, uses the engine's sharded clipping;
+- a checkpoint is Lightning's dict with sharded values: sharded saves write it as DCP keys ``model`` and
+  ``optimizer_<i>`` plus ``meta.pt``, full saves stream it into one ``.ckpt`` file with the Trainer's usual keys.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp import checkpoint
+from lightning_fsdp.checkpoint.lightning_layouts import (
+    TRAINER_MODEL_KEY,
+    TRAINER_OPTIMIZER_LIST_KEY,
+    id_keyed_optimizer_state,
+)
+from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
+from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.engine import FSDPEngine, FrontMixin, config_arguments
+from lightning_fsdp.policy import PolicyInput
+from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+
+__all__ = ["FSDPStrategy", "FSDPTrainerPrecision"]
+
+_SHARDED_OPTIMIZER_KEY = "optimizer_{}"
+
+
+class FSDPTrainerPrecision(FSDPPrecision, Precision):
+    """:class:`~lightning_fsdp.precision.FSDPPrecision` with the Trainer's hooks: the optimizer step runs Lightning's
+    closure (and, under ``16-mixed``, unscales before clipping), and clipping works on sharded gradients.
+
+    Lightning's own FSDP precision refuses ``gradient_clip_algorithm="norm"``; here both algorithms work.
+    """
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        scaler = self.scaler
+        if scaler is None:
+            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # An automatic step whose training_step returned None skipped backward: nothing to unscale or step.
+        skipped = closure_result is None and model.automatic_optimization
+        if not skipped:
+            scaler.unscale_(optimizer)  # before `configure_gradient_clipping` sees the gradients
+        self._after_closure(model, optimizer)
+        if skipped:
+            return closure_result
+        step_output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return step_output
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        # Like torch's `clip_grad_norm_`, which Lightning calls for other strategies: a non-finite norm is no error
+        # (under 16-mixed the scaler then skips the step).
+        FSDPEngine.clip_gradients_norm(optimizer, float(clip_val), 2.0, error_if_nonfinite=False)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        FSDPEngine.clip_gradients_value(optimizer, float(clip_val))
+
+
+class FSDPStrategy(FrontMixin, ParallelStrategy):
+    """Fully Sharded Data Parallel with torch's FSDP2 ``fully_shard``, for the Lightning Trainer.
+
+    Accepts the arguments of Lightning's Trainer ``FSDPStrategy`` and gives them their FSDP2 meaning; they mean what
+    they mean in :class:`lightning_fsdp.fabric.FSDPStrategy` (see there), and bad values raise the same errors.
+    Differences from the Fabric front follow Lightning's Trainer ``FSDPStrategy``: the precision plugin is
+    ``precision_plugin`` (usually set with ``Trainer(precision=...)``), ``checkpoint_io`` is accepted but only as
+    ``None`` (checkpoints are written by DCP or the streaming full-file writer), and ``state_dict_type`` defaults to
+    ``"full"``. The FSDP options after ``precision_plugin`` are keyword-only.
+
+    What becomes an FSDP unit: the blocks ``auto_wrap_policy`` selects, and each top-level submodule of the
+    LightningModule that holds parameters outside them (``self.model``, or ``self.generator`` and
+    ``self.discriminator``). Those are root units that gather their parameters in their own forward, so the steps
+    must call them, not only their children (or name the children in ``auto_wrap_policy``); a parameter that belongs
+    to the LightningModule itself is refused with a hint.
+
+    In YAML (LightningCLI), write the policies as lists of dotted class names, ``sharding_strategy`` as a string,
+    ``device_mesh`` as a list and ``cpu_offload`` as a bool; set mixed precision with ``trainer.precision``. The
+    annotations name those YAML forms first, and strings stay plain ``str``, so LightningCLI hands the values over
+    unchanged and a bad one meets the same check, with the same message, as in Python.
+    """
+
+    _launcher_class = _SubprocessScriptLauncher
+    strategy_name = "fsdp"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        cpu_offload: Optional[Union[bool, CPUOffloadPolicy]] = None,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        auto_wrap_policy: Optional[Union[str, list[str], PolicyInput]] = None,
+        activation_checkpointing: Optional[Any] = None,
+        activation_checkpointing_policy: Optional[Union[str, list[str], PolicyInput]] = None,
+        sharding_strategy: Union[str, Enum] = "FULL_SHARD",
+        state_dict_type: str = "full",
+        device_mesh: Optional[Union[list[int], tuple[int, int], DeviceMesh]] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        hybrid_no_sync: str = "skip_all",
+        async_save: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if checkpoint_io is not None:
+            self.checkpoint_io = checkpoint_io  # refused, with the reason
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin)
+        config = FSDPConfig.from_arguments(**config_arguments(locals()))
+        self._engine = FSDPEngine(config, process_group_backend, timeout)
+        self._background_saves = checkpoint.AsyncSaves()
+        self._sharded: Optional[Module] = None
+        self.num_nodes = 1
+
+    # --- properties Lightning reads -----------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> FSDPTrainerPrecision:
+        if not isinstance(self._precision_plugin, FSDPTrainerPrecision):
+            self._precision_plugin = FSDPTrainerPrecision()  # kept, so its device type and scaler persist
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # The connector hands over the plugin given to this strategy or one it built from `Trainer(precision=...)`.
+        self._precision_plugin = as_fsdp_precision(precision_plugin, FSDPTrainerPrecision) if precision_plugin else None
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks this of strategies it does not know, e.g. to decide whether `self.log(sync_dist=True)` syncs.
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the sharded model and its optimizers must exist before a checkpoint is loaded into them
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # `load_checkpoint` restores the optimizers itself
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self.precision_plugin.set_device_type(self.root_device.type)
+        self._engine.setup_distributed(self.cluster_environment, self.root_device, self.num_nodes)
+        # `LightningModule.device_mesh` works in `configure_model`, as with Lightning's ModelParallelStrategy.
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._engine.mesh
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self._sharded is not self.model:  # `fit` then `test` set the same model up twice
+            self._engine.setup_module(self.model, self.precision_plugin.mixed_precision_policy(), harness=True)
+            self._sharded = self.model
+            rank_zero_info(self._engine.last_summary)
+        # FSDP2 cannot gather parameters in inference mode and train on them afterwards (torch refuses the in-place
+        # update of an inference tensor), so evaluation runs under `no_grad`, as Lightning does for its own FSDP.
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        # A second `fit` builds new optimizers on the sharded parameters; the previous ones point at nothing valid.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            self._engine.setup_optimizer(optimizer)
+
+    def model_to_device(self) -> None:
+        pass  # `fully_shard` places the shards on the mesh's device.
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # With `empty_init=True` the module is built on the meta device and materialized in `setup`, after sharding,
+        # so only local shards are ever allocated.
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        with self._engine.no_backward_sync(self.model, enabled=True):
+            yield
+
+    def teardown(self) -> None:
+        self._background_saves.wait(self._engine)
+        # Lightning's teardown would move the model to CPU and tear down a CheckpointIO this strategy does not use.
+        self.precision_plugin.teardown()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.accelerator.teardown()
+
+    # --- collectives -------------------------------------------------------------------------------------------
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return self._engine.all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Sharded values on every rank; a full save gathers them one at a time while it writes.
+        assert self.model is not None
+        return sharded_model_state(self.model)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = sharded_optimizer_state(self.model, optimizer)
+        # A full checkpoint keys parameters by position, as `optimizer.state_dict()` does, so any Trainer strategy
+        # (DDP included) resumes from it; a sharded one keeps the names DCP needs to reshard.
+        return id_keyed_optimizer_state(state) if self.config.state_dict_type == "full" else state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # `load_checkpoint` has restored the sharded model already.
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # `load_checkpoint` has restored the optimizers already.
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
+    ) -> None:
+        self._refuse_storage_options(storage_options)
+        if self.config.state_dict_type == "full":
+            self._background_saves.wait(self._engine)
+            write_full(filepath, checkpoint, self._engine)
+            return
+        # Lightning's FSDP layout, which `lightning.pytorch.utilities.consolidate_checkpoint` reads.
+        tensors = {"model": checkpoint.pop(TRAINER_MODEL_KEY)}
+        for index, state in enumerate(checkpoint.pop(TRAINER_OPTIMIZER_LIST_KEY, [])):
+            tensors[_SHARDED_OPTIMIZER_KEY.format(index)] = state
+        background = self._background_saves if self.config.async_save else None
+        if background is None:
+            self._background_saves.wait(self._engine)
+        write_sharded(filepath, tensors, checkpoint, self._engine, background)
+
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        assert self.model is not None and self.lightning_module is not None
+        self._background_saves.wait(self._engine)
+        state: dict[str, Any] = {"model": self.model}
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            state.update({_SHARDED_OPTIMIZER_KEY.format(i): opt for i, opt in enumerate(self.optimizers)})
+        # A full file keeps the model under "state_dict" and the optimizers in the list "optimizer_states"; the loader
+        # maps the keys asked for here onto either layout, and returns everything else for Lightning to restore.
+        strict = self.lightning_module.strict_loading
+        return checkpoint.load_checkpoint(
+            checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine
+        )
+
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        # `ModelCheckpoint(save_top_k=...)` drops old checkpoints; a sharded one is a directory.
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
