@@ -28,7 +28,8 @@ from torch.optim import Optimizer
 
 from lightning_fsdp import checkpoint
 from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
-from lightning_fsdp.engine import FSDPEngine, FrontMixin, config_arguments
+from lightning_fsdp.engine import FSDPEngine
+from lightning_fsdp.front import FrontMixin, config_arguments
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
 

@@ -52,7 +52,8 @@ from lightning_fsdp.checkpoint.lightning_layouts import (
 )
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.config import FSDPConfig
-from lightning_fsdp.engine import FSDPEngine, FrontMixin, config_arguments
+from lightning_fsdp.engine import FSDPEngine
+from lightning_fsdp.front import FrontMixin, config_arguments
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 

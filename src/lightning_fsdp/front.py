@@ -1,0 +1,108 @@
+"""What both fronts' strategy classes share that is about Lightning's strategy API rather than about FSDP.
+
+The engine (:mod:`lightning_fsdp.engine`) knows nothing of Lightning. The two fronts subclass Lightning's two
+unrelated ``ParallelStrategy`` classes, which name many members alike; :class:`FrontMixin` answers those once, and
+:func:`config_arguments` passes each front's constructor arguments to :class:`~lightning_fsdp.config.FSDPConfig`
+without either front listing them twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, TypeVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp.config import FSDPConfig, check_fsdp1_kwargs
+from lightning_fsdp.engine import FSDPEngine
+from lightning_fsdp.registry import register_into
+
+__all__ = ["FrontMixin", "config_arguments"]
+
+T = TypeVar("T")
+
+
+class FrontMixin:
+    """What both fronts' strategy classes answer the same way, mixed in before Lightning's base class.
+
+    Lightning's Fabric and Trainer ``ParallelStrategy`` classes are separate, but they name these members alike
+    (``parallel_devices``, ``local_rank``, ``num_nodes``, ``cluster_environment``, ...), so one definition here
+    serves both fronts and no Lightning import is needed. A front sets ``_engine`` and ``_launcher_class``.
+    """
+
+    _engine: FSDPEngine
+    _launcher_class: type
+
+    @property
+    def config(self) -> FSDPConfig:
+        return self._engine.config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._engine.mesh
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._engine.process_group_backend
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, the replicas of a hybrid mesh included.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def checkpoint_io(self) -> Any:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`."
+        )
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not accept a `CheckpointIO` plugin. HINT: remove it from `plugins=[...]`."
+        )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _refuse_storage_options(self, storage_options: Optional[Any]) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
+            )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._engine.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return self._engine.broadcast(obj, src)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_into(strategy_registry, cls)
+
+
+def config_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a front's constructor ``locals()`` that :meth:`FSDPConfig.from_arguments` takes, after checking
+    its ``**kwargs`` (FSDP1 keywords warn, anything else is a ``TypeError``).
+
+    Both fronts name their arguments as ``from_arguments`` does, so this passes them on without either front listing
+    them a second time, and a new argument reaches both fronts' validation the same way. Call it from the front's
+    ``__init__`` itself: warnings point at the frame that called ``__init__``.
+    """
+    check_fsdp1_kwargs(arguments.get("kwargs", {}))
+    names = inspect.signature(FSDPConfig.from_arguments).parameters
+    return {name: value for name, value in arguments.items() if name in names}
