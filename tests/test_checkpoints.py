@@ -11,6 +11,7 @@ CASES = [
     "bad_save_arguments_are_clear_errors",
     "corrupted_checkpoints_fail_on_every_rank_naming_the_file",
     "unpickling_needs_an_explicit_opt_in",
+    "sharded_entries_that_need_unpickling_need_the_opt_in_too",
     "plain_single_device_checkpoint_loads_into_the_sharded_model",
     "async_save_returns_early_and_the_checkpoint_is_complete",
     "async_save_errors_surface_at_the_next_call",

@@ -255,6 +255,30 @@ def unpickling_needs_an_explicit_opt_in():
 
 
 @case
+def sharded_entries_that_need_unpickling_need_the_opt_in_too():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt, steps=1)
+    path = _dir(fabric) / "pickled"
+    inner = model.module  # Fabric's wrapper would prefix every name with `_forward_module.`
+    optimizer_state = get_optimizer_state_dict(inner, opt.optimizer)
+    # An arbitrary object where the optimizer expects a plain value, as a tampered or foreign file might hold.
+    optimizer_state["param_groups"][0]["lr"] = Counter(3)
+    dcp.save({"model": get_model_state_dict(inner), "optimizer": optimizer_state}, checkpoint_id=path)
+    try:
+        fabric.load(path, {"model": model, "optimizer": opt})
+        raise AssertionError("a DCP entry was unpickled without the opt-in")
+    except Exception as err:  # noqa: BLE001
+        assert "weights_only=False" in str(err) and ".lr'" in str(err), str(err)
+    fabric.load(path, {"model": model, "optimizer": opt}, weights_only=False)
+    assert isinstance(opt.param_groups[0]["lr"], Counter), "the opted-in load did not restore the entry"
+    return "ok"
+
+
+@case
 def plain_single_device_checkpoint_loads_into_the_sharded_model():
     fabric = make_fabric(WORLD)
     torch.manual_seed(4)

@@ -11,6 +11,7 @@ or truncated checkpoint raises the same error, naming the file, on every rank.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -110,7 +111,7 @@ def _load_sharded(
     for key, optimizer in split.optimizers.items():
         if where[key] in available:
             tensors[where[key]] = get_optimizer_state_dict(split.owners[key], optimizer)
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+    planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
     together(comm, f"Reading the shards of {str(source)!r}", lambda: dcp.load(tensors, checkpoint_id=source, planner=planner))
     options = StateDictOptions(strict=strict)
     for key, module in split.models.items():
@@ -173,6 +174,32 @@ def _param_names(model: Module, optimizer: Optimizer) -> list[str]:
     """The names of the optimizer's parameters, in its order. Local (no collectives); the state-dict API initializes
     missing optimizer state, which the load that follows does on every rank anyway."""
     return [n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]]
+
+
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's planner, except that non-tensor entries (optimizer hyperparameters) obey ``weights_only``.
+
+    DCP unpickles those entries with full unpickling. Here each one is first read with ``weights_only=True``, which
+    refuses arbitrary objects, and only then handed to DCP.
+    """
+
+    def __init__(self, *, weights_only: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        if self._weights_only:
+            payload = value.getvalue()
+            try:
+                torch.load(io.BytesIO(payload), weights_only=True)
+            except Exception as err:
+                raise RuntimeError(
+                    f"The entry {read_item.dest_index.fqn!r} holds objects that only full unpickling can restore, and"
+                    " unpickling can run arbitrary code. HINT: if you trust this checkpoint, pass"
+                    " `weights_only=False`, e.g. `fabric.load(path, state, weights_only=False)`."
+                ) from err
+            value = io.BytesIO(payload)
+        super().load_bytes(read_item, value)
 
 
 def _restore_metadata(state: dict, split: SplitState, metadata: dict[str, Any]) -> dict[str, Any]:
