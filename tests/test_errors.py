@@ -46,6 +46,8 @@ def check_message(err: BaseException, argument: str, shown: str, allowed: str, h
 
 # (id, FSDPStrategy kwargs, exception type, argument named, value shown, part of "Allowed:", part of "HINT:")
 STRATEGY_CASES = [
+    ("sync-module-states-str", dict(sync_module_states="yes"), TypeError,
+     "sync_module_states", "'yes'", "True, False or None", "rank 0's parameters and buffers"),
     ("sharding-unknown", dict(sharding_strategy="FULL"), ValueError,
      "sharding_strategy", "'FULL'", "'HYBRID_SHARD'", "sharding_strategy='FULL_SHARD'"),
     ("sharding-typo", dict(sharding_strategy="hybrid-shard"), ValueError,
@@ -454,9 +456,18 @@ def test_unknown_keyword_argument_is_a_clear_type_error():
 
 
 def test_fsdp1_keyword_arguments_warn_and_are_ignored():
-    with pytest.warns(UserWarning, match="`sync_module_states=True` is an FSDP1 argument and is ignored"):
-        strategy = FSDPStrategy(sync_module_states=True)
+    with pytest.warns(UserWarning, match="`limit_all_gathers=True` is an FSDP1 argument and is ignored"):
+        strategy = FSDPStrategy(limit_all_gathers=True)
     assert strategy.config.sharding_strategy.value == "FULL_SHARD"
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), (True, True), (False, False)])
+def test_sync_module_states_is_honoured_and_on_by_default(value, expected):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ignored" warning: the argument is real now
+        assert FSDPStrategy(sync_module_states=value).config.sync_module_states is expected
 
 
 def test_a_configured_scaler_is_kept_when_translating_lightning_plugins():

@@ -85,6 +85,7 @@ class FSDPConfig:
     device_mesh: Optional[Union[tuple[int, int], DeviceMesh]]
     hybrid_no_sync: HybridNoSync
     async_save: bool
+    sync_module_states: bool = True
 
     @property
     def cpu_offload(self) -> bool:
@@ -105,6 +106,7 @@ class FSDPConfig:
         device_mesh: Optional[MeshInput] = None,
         hybrid_no_sync: str = "skip_all",
         async_save: bool = False,
+        sync_module_states: Optional[bool] = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         return cls(
@@ -120,6 +122,7 @@ class FSDPConfig:
             device_mesh=_parse_device_mesh(device_mesh, strategy),
             hybrid_no_sync=_parse_hybrid_no_sync(hybrid_no_sync, strategy),
             async_save=_parse_async_save(async_save, state_dict_type),
+            sync_module_states=_parse_sync_module_states(sync_module_states),
         )
 
 
@@ -128,7 +131,6 @@ class FSDPConfig:
 # warning that says why.
 _FSDP1_KWARGS = {
     "use_orig_params": "FSDP2 always keeps the original parameters",
-    "sync_module_states": "replicas are always synchronized at setup",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by itself",
     "forward_prefetch": "FSDP2 prefetches by itself",
     "backward_prefetch": "FSDP2 prefetches by itself",
@@ -271,6 +273,20 @@ def _parse_async_save(value: Any, state_dict_type: Any) -> bool:
             stacklevel=4,
         )
     return value
+
+
+def _parse_sync_module_states(value: Any) -> bool:
+    # Unlike Lightning's FSDP1 default, on unless switched off: a model built differently on each rank (another seed,
+    # or none) would otherwise train a different function on every rank, with no error.
+    if value is None or isinstance(value, bool):
+        return value is not False
+    raise TypeError(
+        bad_argument(
+            "sync_module_states", value, "True, False or None (the default, same as True)",
+            "Leave it unset: every rank then starts from rank 0's parameters and buffers. Use False only when every"
+            " rank builds identical weights itself (a saving of one broadcast of the model at setup).",
+        )
+    )
 
 
 def _parse_hybrid_no_sync(value: Any, strategy: ShardingStrategy) -> HybridNoSync:

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp import grads, sharding
+from lightning_fsdp import at_rest, grads, sharding
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.failures import explain_collective_failure
 from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
@@ -44,6 +44,7 @@ class FSDPEngine:
         self.world_size = 1
         self.last_summary = ""
         self._owners: list[sharding.ParameterOwners] = []
+        self._models = at_rest.ModelSet()
         self._no_sync_depth = 0
 
     # --- process group and mesh -------------------------------------------------------------------------
@@ -85,17 +86,25 @@ class FSDPEngine:
         self._owners.append(owners)
         mp_policy = self.config.mixed_precision or mp_policy
         result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy, harness=harness)
+        self._models.add(module)
+        at_rest.reshard_after_grad_free_forwards(module, result.roots)
         _move_metrics_to_device(module, self.device)
         for optimizer in optimizers:
-            sharding.remap_optimizer(optimizer, self._owners)
+            self.setup_optimizer(optimizer)
         self.last_summary = f"FSDP units: {result.summary} on mesh {_mesh_summary(self.mesh)}"
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Separate setup. An optimizer built before its model was set up is remapped like in joint setup; one that
         holds parameters of no set-up model is refused, since it would train nothing."""
-        sharding.remap_optimizer(optimizer, self._owners)
+        sharding.remap_optimizer(optimizer, self._owners, self._models())
+        at_rest.reshard_before_steps(optimizer, self._models)
         return optimizer
+
+    def reshard(self) -> None:
+        """Put every set-up model back at rest (see :mod:`lightning_fsdp.at_rest`)."""
+        for model in self._models():
+            at_rest.reshard_all(model)
 
     @contextmanager
     def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:

@@ -65,6 +65,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         async_save: write sharded checkpoints in the background: ``save`` returns once the tensors are copied to host
             memory, and training continues while DCP writes. The next save, load or teardown waits for it and raises
             its error, if any. Ignored (with a warning) for ``state_dict_type="full"``.
+        sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
+            sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
+            With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
         **kwargs: FSDP1 keywords of Lightning's strategy (``use_orig_params``, ``limit_all_gathers``, ...) are
             accepted and ignored with a warning; anything else is a ``TypeError``.
     """
@@ -90,6 +93,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         reshard_after_forward: Optional[Union[bool, int]] = None,
         hybrid_no_sync: HybridNoSync = "skip_all",
         async_save: bool = False,
+        sync_module_states: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
+from lightning_fsdp.at_rest import reshard_all
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.policy import Policy, candidate_block_classes, describe_units
 
@@ -36,7 +36,7 @@ __all__ = [
     "ParameterOwners",
     "remap_optimizer",
     "no_backward_sync",
-    "sync_replicas",
+    "broadcast_module_state",
     "harness_roots",
     "has_meta_tensors",
 ]
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 class ShardedModel:
     module: nn.Module
     summary: str  # e.g. "12 x Block + root"
+    roots: list[nn.Module]  # the root units: `module` itself, or a harness's top-level submodules
 
 
 class ParameterOwners:
@@ -67,16 +68,15 @@ class ParameterOwners:
                     self._owners[id(param)] = (owner, name)
                     self._originals.append(param)
 
-    def current(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """The parameter that now stands where ``param`` stood; ``param`` itself if it is already current; ``None``
-        if the model never owned it."""
+    def locate(self, param: torch.Tensor) -> Optional[tuple[nn.Module, str]]:
+        """The (module, attribute name) slot that holds ``param`` now or held it at construction; ``None`` if the
+        model never owned it. The slot outlives every replacement of the parameter object: the sharded DTensor, and
+        the plain tensor FSDP registers there while a unit is unsharded."""
         entry = self._owners.get(id(param))
         if entry is not None:
-            owner, name = entry
-            return owner._parameters[name]
-        if any(param is owner._parameters.get(name) for owner, name in self._owners.values()):
-            return param
-        return None
+            return entry
+        return next(((owner, name) for owner, name in self._owners.values() if param is owner._parameters.get(name)),
+                    None)
 
 
 def shard_model(
@@ -96,6 +96,9 @@ def shard_model(
     policy's units become root units of their own instead (see :func:`harness_roots`).
     """
     _refuse_fsdp1(module)
+    if config.sync_module_states and not has_meta_tensors(module):
+        # Before sharding, while every rank still holds the whole model: afterwards rank 0 has only its own shard.
+        broadcast_module_state(module, device)
     existing_units = _fsdp_units(module)
     if existing_units:
         warnings.warn(
@@ -131,12 +134,13 @@ def shard_model(
         if not isinstance(root, FSDPModule):
             fully_shard(root, reshard_after_forward=reshard, **kwargs)
 
-    was_meta = has_meta_tensors(module)
-    if was_meta:  # the per-shard seeding in `_materialize` already keeps replicas identical
+    if has_meta_tensors(module):
+        # Parameters: the per-shard seeding in `_materialize` gives shards their own values and keeps replicas
+        # identical. Buffers are not sharded, and `reset_parameters()` may fill them from each rank's generator.
         _materialize(module, mesh, device, params_on_cpu=config.cpu_offload)
-    if not was_meta:
-        sync_replicas(module, mesh, device)
-    return ShardedModel(module=module, summary=summary)
+        if config.sync_module_states:
+            broadcast_module_state(module, device, buffers_only=True)
+    return ShardedModel(module=module, summary=summary, roots=roots)
 
 
 def harness_roots(module: nn.Module) -> list[nn.Module]:
@@ -167,11 +171,14 @@ def harness_roots(module: nn.Module) -> list[nn.Module]:
     return roots
 
 
-def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners]) -> None:
-    """Point every param group of ``optimizer`` at the parameters that replaced the ones it was built with.
+def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners], models: Sequence[nn.Module]) -> None:
+    """Point every param group of ``optimizer`` at the sharded parameters that stand where its own stood.
 
-    Groups and their hyperparameters stay as they are. The lists are updated in place, because some optimizers
-    (LBFGS) keep a reference to them.
+    Each parameter is located by its slot (owner module and name) first, then every model is resharded, then the
+    slot is read again: so an optimizer built while a unit was unsharded (after an evaluation forward) gets the
+    DTensor shards too, never the gathered tensors FSDP swaps out at the next backward. Groups and their
+    hyperparameters stay as they are. The lists are updated in place, because some optimizers (LBFGS) keep a
+    reference to them.
     """
     if optimizer.state:
         raise ValueError(
@@ -179,9 +186,9 @@ def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners]) -> None
             " cannot be moved onto the sharded parameters. HINT: set the model and optimizer up through the strategy"
             " before the first `optimizer.step()` (Fabric: `model, optimizer = fabric.setup(model, optimizer)`)."
         )
-    for group in optimizer.param_groups:
-        resolved = [_resolve(owners, p) for p in group["params"]]
-        foreign = [p for p, new in zip(group["params"], resolved) if new is None]
+    slots = [[_locate(owners, p) for p in group["params"]] for group in optimizer.param_groups]
+    for group, group_slots in zip(optimizer.param_groups, slots):
+        foreign = [p for p, slot in zip(group["params"], group_slots) if slot is None]
         if foreign:
             raise ValueError(
                 f"The optimizer {type(optimizer).__name__} holds {len(foreign)} parameter(s) (shapes"
@@ -190,15 +197,14 @@ def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners]) -> None
                 " HINT: build the optimizer from the model it trains, e.g. `torch.optim.AdamW(model.parameters())`,"
                 " and set that model up through the strategy too."
             )
-        group["params"][:] = resolved
+    for model in models:
+        reshard_all(model)
+    for group, group_slots in zip(optimizer.param_groups, slots):
+        group["params"][:] = [owner._parameters[name] for owner, name in group_slots]
 
 
-def _resolve(owners: list[ParameterOwners], param: torch.Tensor) -> Optional[torch.Tensor]:
-    for table in owners:
-        current = table.current(param)
-        if current is not None:
-            return current
-    return None
+def _locate(owners: list[ParameterOwners], param: torch.Tensor) -> Optional[tuple[nn.Module, str]]:
+    return next((slot for table in owners if (slot := table.locate(param)) is not None), None)
 
 
 @contextmanager
@@ -223,22 +229,47 @@ def no_backward_sync(module: nn.Module, reduce_scatter_only: bool) -> Iterator[N
             unit.set_requires_gradient_sync(True, recurse=False)
 
 
-def sync_replicas(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
-    """Make every replica start from the same parameters, as DDP does: each shard is broadcast along the replicate
-    axis from the replica at coordinate 0. Without it, ranks that built the model with different seeds would train
-    replicas that never agree."""
-    if mesh.ndim != 2 or mesh.size(0) == 1:
+def broadcast_module_state(module: nn.Module, device: torch.device, *, buffers_only: bool = False) -> None:
+    """Give every rank rank 0's parameters and buffers, as DDP and Lightning's FSDP (``sync_module_states``) do.
+
+    Without it, ranks that built the model with different seeds (``seed_everything(rank)``, or no seed) would each
+    keep their own rows of the weights after sharding, and their own buffers, and so train different functions.
+    Tensors are sent in buckets of one dtype, so a model of many small tensors costs few collectives.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    group = mesh.get_group(0)
-    source = dist.get_global_rank(group, 0)
+    tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    # NCCL sends device memory only; a model still on the host takes a round trip through the device.
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
     with torch.no_grad():
-        for param in module.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            # NCCL can only send device memory; CPU-offloaded shards take a round trip.
-            staged = local if local.device.type == device.type else local.to(device)
-            dist.broadcast(staged, src=source, group=group)
-            if staged is not local:
-                local.copy_(staged)
+        for group in by_dtype.values():
+            for bucket in _buckets(group, _BROADCAST_BUCKET_BYTES):
+                flat = torch.cat([t.detach().reshape(-1).to(comm_device) for t in bucket])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for tensor in bucket:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+
+_BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -142,6 +142,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         reshard_after_forward: Optional[Union[bool, int]] = None,
         hybrid_no_sync: str = "skip_all",
         async_save: bool = False,
+        sync_module_states: Optional[bool] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:

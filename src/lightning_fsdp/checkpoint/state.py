@@ -9,6 +9,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.at_rest import reshard_all
+
 __all__ = ["SplitState", "split_state", "is_stateful"]
 
 
@@ -33,7 +35,7 @@ def split_state(state: dict[str, Any], *, for_save: bool) -> SplitState:
             metadata[key] = value.state_dict() if is_stateful(value) else value
     _check_set_up(models)
     for module in models.values():
-        _reshard(module)
+        reshard_all(module)
     return SplitState(models, optimizers, metadata, _optimizer_owners(models, optimizers))
 
 
@@ -49,17 +51,6 @@ def _check_set_up(models: dict[str, Module]) -> None:
                 " HINT: set it up first and pass what setup returns, e.g. `model = fabric.setup(model)` (Fabric)"
                 " or let the Trainer set it up, then `save(path, {'model': model})`."
             )
-
-
-def _reshard(module: Module) -> None:
-    """Put every unit back into its sharded state.
-
-    After a forward without backward (evaluation, sampling), the root unit keeps its parameters unsharded, and
-    ``parameters()`` then returns plain tensors that neither the optimizer nor the state-dict API know.
-    """
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
 
 
 def _optimizer_owners(models: dict[str, Module], optimizers: dict[str, Optimizer]) -> dict[str, Module]:
