@@ -175,7 +175,7 @@ def test_catalogue_is_large_and_distinct():
     assert arguments == {
         "sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "activation_checkpointing",
         "precision", "cpu_offload", "mixed_precision", "state_dict_type", "device_mesh", "reshard_after_forward",
-        "hybrid_no_sync",
+        "hybrid_no_sync", "sync_module_states",
     }
 
 

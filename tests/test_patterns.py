@@ -27,6 +27,7 @@ CASES = [f"no_grad_forward_before_step_{label}" for label in _STRATEGIES] + [
     "ranks_seeded_differently_start_from_rank0_cpu_offload",
     "meta_init_buffers_agree_across_ranks",
     "sync_module_states_false_keeps_each_ranks_values",
+    "registry_strings_train_on_cpu",
 ]
 
 results, test_case = case_tests("patterns.py", 2, CASES)

@@ -1,7 +1,6 @@
-"""Registration into Fabric's strategy registry, and what the names build."""
+"""Registration into Fabric's and the Trainer's strategy registries, and what the names build on CPU."""
 
 import pytest
-import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY, _StrategyRegistry
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -32,18 +31,65 @@ def test_register_strategies_classmethod_fills_a_fresh_registry():
     assert sorted(registry.available_strategies()) == ["fsdp", "fsdp_cpu_offload", "hsdp"]
 
 
-def test_string_on_cpu_is_refused_by_lightning_but_an_instance_works():
-    # Lightning's connector rejects the *string* "fsdp" with a CPU accelerator before it consults the registry.
-    with pytest.raises(ValueError, match="(?i)fsdp"):
-        Fabric(accelerator="cpu", devices=1, strategy="fsdp")
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy())
-    assert isinstance(fabric.strategy, FSDPStrategy)
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_cpu_offload", "hsdp"])
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+def test_strings_build_ours_on_cpu_from_both_fronts(name, accelerator):
+    from lightning.pytorch import Trainer
+
+    from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
+
+    fabric = Fabric(accelerator=accelerator, devices=1, strategy=name)
+    assert type(fabric.strategy) is FSDPStrategy
+    assert fabric.strategy.config == STRATEGY_REGISTRY.get(name).config  # the registry's arguments were applied
+    trainer = Trainer(accelerator=accelerator, devices=1, strategy=name, logger=False, enable_progress_bar=False)
+    assert type(trainer.strategy) is TrainerFSDPStrategy
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: Lightning only accepts the string on CUDA")
-def test_string_builds_ours_on_gpu():
-    fabric = Fabric(accelerator="cuda", devices=1, strategy="fsdp")
-    assert isinstance(fabric.strategy, FSDPStrategy)
+def test_the_connector_patch_is_in_place_and_wraps_lightnings_own_check():
+    # The only Lightning internals the strings rely on. If a release renames the method or the flag, this fails
+    # instead of the strings silently falling back to Lightning's refusal.
+    import inspect
+
+    from lightning_fsdp._compat import FabricConnector, TrainerConnector
+
+    for connector in (FabricConnector, TrainerConnector):
+        check = connector._check_strategy_and_fallback
+        assert getattr(check, "_lightning_fsdp_accepts_names", False), f"{connector.__name__} is not patched"
+        original = inspect.getsource(check.__wrapped__)
+        assert "self._strategy_flag" in original and "FSDP" in original, (
+            f"Lightning's {connector.__name__}._check_strategy_and_fallback changed; review registry.py"
+        )
+
+
+_LIGHTNING_ALONE = """
+import sys
+from lightning.fabric import Fabric
+from lightning.pytorch import Trainer
+for build in (lambda: Fabric(accelerator='cpu', devices=1, strategy='fsdp'),
+              lambda: Trainer(accelerator='cpu', devices=1, strategy='fsdp', logger=False)):
+    try:
+        build()
+    except ValueError as err:
+        assert 'GPU' in str(err), err
+    else:
+        raise SystemExit('Lightning accepted fsdp on CPU')
+assert 'lightning_fsdp' not in sys.modules
+print('refused')
+"""
+
+
+def test_lightnings_own_fsdp_is_unchanged():
+    # Without this package imported, Lightning refuses its FSDP names on CPU as before; and an instance of
+    # Lightning's own strategy is refused even with it imported.
+    import subprocess
+    import sys
+
+    from lightning.fabric.strategies import FSDPStrategy as LightningFSDPStrategy
+
+    proc = subprocess.run([sys.executable, "-c", _LIGHTNING_ALONE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "refused" in proc.stdout, proc.stdout + proc.stderr
+    with pytest.raises(ValueError, match="only available on GPU"):
+        Fabric(accelerator="cpu", devices=1, strategy=LightningFSDPStrategy())
 
 
 def test_checkpoint_io_is_not_supported():

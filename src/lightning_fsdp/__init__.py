@@ -1,7 +1,7 @@
 """lightning-fsdp: an FSDP2 strategy for Lightning Fabric and the Lightning Trainer.
 
 Importing the package registers ``"fsdp"``, ``"fsdp_cpu_offload"`` and ``"hsdp"`` in Fabric's and in the Trainer's
-strategy registries.
+strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp.registry`).
 """
 
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
@@ -17,9 +17,13 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_fsdp import fabric, trainer
+    from lightning_fsdp._compat import FabricConnector, TrainerConnector
+    from lightning_fsdp.registry import accept_names_on_every_accelerator
 
     fabric.FSDPStrategy.register_strategies(STRATEGY_REGISTRY)
     trainer.FSDPStrategy.register_strategies(StrategyRegistry)
+    accept_names_on_every_accelerator(FabricConnector, STRATEGY_REGISTRY)
+    accept_names_on_every_accelerator(TrainerConnector, StrategyRegistry)
 
 
 _register()

@@ -13,6 +13,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # tor
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
 
+# Lightning's two accelerator connectors. Each refuses the FSDP strategy names unless the accelerator is CUDA, in
+# `_check_strategy_and_fallback`, before it looks the name up in the registry (see `registry.py`).
+from lightning.fabric.connector import _Connector as FabricConnector
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector as TrainerConnector
+
 # torch's zip-archive writer and its dtype -> storage-class table, used to write torch.save files one tensor at a time.
 from torch.serialization import _open_zipfile_writer as open_zipfile_writer
 from torch.storage import _dtype_to_storage_type_map
@@ -31,6 +36,8 @@ __all__ = [
     "checkpoint_wrapper",
     "convert_fp_tensor",
     "DtypeContextManager",
+    "FabricConnector",
+    "TrainerConnector",
     "open_zipfile_writer",
     "storage_type_for",
 ]

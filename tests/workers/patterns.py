@@ -410,5 +410,27 @@ def sync_module_states_false_keeps_each_ranks_values():
     return {}
 
 
+@case
+def registry_strings_train_on_cpu():
+    # `import lightning_fsdp` makes the names work on CPU (Lightning alone refuses them there).
+    from lightning.fabric import Fabric
+
+    diffs = {}
+    for name in ("fsdp", "fsdp_cpu_offload", "hsdp"):
+        fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=name)
+        fabric.launch()
+        assert type(fabric.strategy).__module__ == "lightning_fsdp.fabric", type(fabric.strategy)
+        model, opt, reference, ref_opt = model_and_reference(fabric)
+        for step in range(STEPS):
+            fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+            opt.step()
+            opt.zero_grad()
+            loss_fn(reference, global_batch(step, WORLD)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        diffs[name] = max_param_diff(model, reference, ATOL, f"{name}: ")
+    return diffs
+
+
 if __name__ == "__main__":
     run_cases()
