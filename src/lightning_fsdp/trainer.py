@@ -18,6 +18,7 @@ How the Trainer's pieces land on the engine:
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -44,13 +45,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp import checkpoint
+from lightning_fsdp import averaging, checkpoint
 from lightning_fsdp.checkpoint.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
     id_keyed_optimizer_state,
 )
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
+from lightning_fsdp.checkpoint.state import holds_dtensors
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.engine import FSDPEngine
 from lightning_fsdp.front import FrontMixin, config_arguments
@@ -196,6 +198,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         assert self.cluster_environment is not None
         self.precision_plugin.set_device_type(self.root_device.type)
         self._engine.setup_distributed(self.cluster_environment, self.root_device, self.num_nodes)
+        # `WeightAveraging.setup`, which runs next, warns that its copy of the model is not sharded; here it will be.
+        warnings.filterwarnings("ignore", message=averaging.UNSHARDED_COPY_WARNING)
         # `LightningModule.device_mesh` works in `configure_model`, as with Lightning's ModelParallelStrategy.
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._engine.mesh
@@ -204,10 +208,13 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        mp_policy = self.precision_plugin.mixed_precision_policy()
         if self._sharded is not self.model:  # `fit` then `test` set the same model up twice
-            self._engine.setup_module(self.model, self.precision_plugin.mixed_precision_policy(), harness=True)
+            self._engine.setup_module(self.model, mp_policy, harness=True)
             self._sharded = self.model
             rank_zero_info(self._engine.last_summary)
+        # The copies `WeightAveraging` callbacks made of the model are sharded like it (see `averaging.py`).
+        averaging.shard_averaged_copies(trainer, lambda copy: self._engine.setup_module(copy, mp_policy, harness=True))
         # FSDP2 cannot gather parameters in inference mode and train on them afterwards (torch refuses the in-place
         # update of an inference tensor), so evaluation runs under `no_grad`, as Lightning does for its own FSDP.
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
@@ -286,6 +293,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         tensors = {"model": checkpoint.pop(TRAINER_MODEL_KEY)}
         for index, state in enumerate(checkpoint.pop(TRAINER_OPTIMIZER_LIST_KEY, [])):
             tensors[_SHARDED_OPTIMIZER_KEY.format(index)] = state
+        # Other sharded entries (a weight-averaging callback's `current_model_state`) are written as shards too:
+        # `meta.pt` is written by rank 0 alone and would keep only its own shard of them.
+        for key in [k for k, v in checkpoint.items() if holds_dtensors(v)]:
+            tensors[key] = checkpoint.pop(key)
         background = self._background_saves if self.config.async_save else None
         if background is None:
             self._background_saves.wait(self._engine)
@@ -294,15 +305,21 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         self._background_saves.wait(self._engine)
-        state: dict[str, Any] = {"model": self.model}
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        trainer = self.lightning_module.trainer
+        keys = set()
+        if averaging.averaged_modules(trainer):
+            keys = checkpoint.checkpoint_keys(checkpoint_path, weights_only=weights_only, comm=self._engine)
+        models, average, averaged = averaging.load_request(trainer, self.model, keys)
+        state: dict[str, Any] = dict(models)
+        if trainer.state.fn == TrainerFn.FITTING:
             state.update({_SHARDED_OPTIMIZER_KEY.format(i): opt for i, opt in enumerate(self.optimizers)})
         # A full file keeps the model under "state_dict" and the optimizers in the list "optimizer_states"; the loader
         # maps the keys asked for here onto either layout, and returns everything else for Lightning to restore.
         strict = self.lightning_module.strict_loading
-        return checkpoint.load_checkpoint(
+        loaded = checkpoint.load_checkpoint(
             checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine
         )
+        return averaging.complete_for_callback(loaded, self.model, average, averaged)
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints; a sharded one is a directory.

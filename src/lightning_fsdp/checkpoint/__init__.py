@@ -9,12 +9,13 @@
 
 from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
-from lightning_fsdp.checkpoint.load import load_checkpoint
+from lightning_fsdp.checkpoint.load import checkpoint_keys, load_checkpoint
 from lightning_fsdp.checkpoint.save import AsyncSaves, save_checkpoint
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "checkpoint_keys",
     "AsyncSaves",
     "CheckpointError",
     "Communicator",

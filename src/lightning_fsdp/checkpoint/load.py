@@ -39,7 +39,7 @@ from lightning_fsdp.checkpoint.lightning_layouts import (
 )
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "checkpoint_keys"]
 
 
 def load_checkpoint(
@@ -74,6 +74,25 @@ def load_checkpoint(
     else:
         remainder = _load_full(source, state, split, strict, weights_only, comm, bare_model=bare)
     return {} if raw else remainder
+
+
+def checkpoint_keys(path: Union[str, Path], *, weights_only: Optional[bool] = None, comm: Communicator) -> set[str]:
+    """The top-level keys of a checkpoint of either format, on every rank, without reading any tensor data."""
+    source = Path(comm.broadcast(str(path)))
+    weights_only = True if weights_only is None else weights_only
+
+    def read() -> Optional[set[str]]:
+        if comm.global_rank != 0:
+            return None
+        atomic.recover(source)
+        if _detect(source):
+            meta_file = source / METADATA_FILENAME
+            metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
+            return _dcp_top_level_keys(source) | set(metadata)
+        contents = _torch_load(source, weights_only)  # memory-mapped: the tensors are not read
+        return set(contents) if isinstance(contents, dict) else set()
+
+    return comm.broadcast(together(comm, f"Listing the keys of {str(source)!r}", read))
 
 
 def _detect(source: Path) -> bool:

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.at_rest import reshard_all
 
-__all__ = ["SplitState", "split_state", "is_stateful"]
+__all__ = ["SplitState", "split_state", "is_stateful", "holds_dtensors"]
 
 
 @dataclass
@@ -41,6 +42,17 @@ def split_state(state: dict[str, Any], *, for_save: bool) -> SplitState:
 
 def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def holds_dtensors(value: Any) -> bool:
+    """Whether ``value`` (nested dicts, lists and tuples) holds a sharded tensor anywhere."""
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_dtensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_dtensors(v) for v in value)
+    return False
 
 
 def _check_set_up(models: dict[str, Module]) -> None:
