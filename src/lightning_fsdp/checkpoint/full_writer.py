@@ -181,7 +181,7 @@ def _check_writable(value: Tensor, where: str) -> None:
     if problem is not None:
         raise TypeError(f"The checkpoint entry {where} {problem}; a full checkpoint holds dense tensors of the"
                         " dtypes torch.save writes. HINT: convert it before saving, e.g. `tensor.to_dense()` or"
-                        " `tensor.dequantize()`, or save with `state_dict_type=\"sharded\"`.")
+                        " `tensor.dequantize()`.")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
