@@ -192,6 +192,32 @@ def test_optimizer_state_keyed_by_parameter_ids_round_trips(tmp_path, capsys):
     assert_same(load(tmp_path / "again.pt"), load(tmp_path / "plain.pt"))
 
 
+def test_views_odd_shapes_and_shared_storages_convert_exactly(tmp_path, capsys):
+    # torch.save keeps views as views: loaded back (memory-mapped, as conversions read), a tensor can sit at an
+    # offset of a storage longer than itself, or overlap another one. Every output must hold just its elements.
+    base = torch.randn(200, generator=torch.Generator().manual_seed(0))
+    history = torch.arange(12.0)
+    model = {
+        "embed.weight": base[:74].view(37, 2),  # a vocabulary of 37: no even split on 2 ranks
+        "head.weight": base[74:80].view(3, 2),  # a 3-way head
+        "head.bias": base[80:83],
+        "overlap": base[78:90],  # overlaps head.weight and head.bias
+        "tied": base[:74].view(37, 2),
+        "moments": torch.randn(5, 7).t(),  # not contiguous
+    }
+    torch.save({"model": model, "recent": history[8:], "step": 4}, tmp_path / "views.pt")
+    expected = {"model": {k: v.contiguous() for k, v in model.items()}, "recent": torch.tensor([8.0, 9, 10, 11]),
+                "step": 4}
+    assert cli(capsys, "convert", tmp_path / "views.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
+    # `recent` comes back from meta.pt as a view at offset 8: the full writer must write its 4 elements only.
+    assert cli(capsys, "convert", tmp_path / "sharded", tmp_path / "full.pt", "--to", "full")[0] == 0
+    assert_same(load(tmp_path / "full.pt"), expected)  # without mmap, torch.load checks each record's size
+    assert_same(torch.load(tmp_path / "full.pt", weights_only=True, mmap=True), expected)
+    status, _, err = cli(capsys, "convert", tmp_path / "views.pt", tmp_path / "w.safetensors", "--to", "safetensors")
+    assert status == 0, err
+    assert_same(by_name(load_file(tmp_path / "w.safetensors")), by_name(expected["model"]))
+
+
 def test_overwrite_replaces_previous_output_only_when_asked(ckpt, tmp_path, capsys):
     target = tmp_path / "out.pt"
     torch.save({"model": {"w": torch.zeros(1)}}, target)

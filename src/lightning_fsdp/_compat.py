@@ -18,15 +18,23 @@ from lightning.fabric.plugins.precision.utils import _DtypeContextManager as Dty
 from lightning.fabric.connector import _Connector as FabricConnector
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector as TrainerConnector
 
-# torch's zip-archive writer and its dtype -> storage-class table, used to write torch.save files one tensor at a time.
+# torch's zip-archive writer, the functions its pickles name to rebuild a tensor, and its dtype -> storage-class
+# table: used to write torch.save files one tensor at a time, in exactly the form torch.save gives them.
+from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
+from torch._utils import _rebuild_tensor_v3 as rebuild_tensor_with_dtype
 from torch.serialization import _open_zipfile_writer as open_zipfile_writer
-from torch.storage import _dtype_to_storage_type_map
+from torch.storage import _dtype_to_storage_type_map, _new_dtypes
 
 
-def storage_type_for(dtype):
-    """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references."""
+def legacy_storage_type(dtype):
+    """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references to a
+    tensor of ``dtype``, or None for the dtypes it writes as an untyped storage plus the dtype instead (the float8
+    types, uint16/32/64, complex32: torch added no legacy class for them). KeyError for a dtype torch.save cannot
+    write either (e.g. uint4)."""
     import torch
 
+    if dtype in _new_dtypes():
+        return None
     return getattr(torch, _dtype_to_storage_type_map()[dtype])
 
 
@@ -38,6 +46,8 @@ __all__ = [
     "DtypeContextManager",
     "FabricConnector",
     "TrainerConnector",
+    "legacy_storage_type",
     "open_zipfile_writer",
-    "storage_type_for",
+    "rebuild_tensor",
+    "rebuild_tensor_with_dtype",
 ]

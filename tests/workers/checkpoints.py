@@ -14,7 +14,7 @@ import torch
 from common import full, full_params, loss_fn, make_fabric
 from harness import case, run_cases
 from lightning_fsdp.checkpoint import CheckpointError
-from models import TinyTransformer, make_batch
+from models import TinyTransformer, UnevenModel, make_batch
 
 WORLD = 2
 
@@ -356,6 +356,116 @@ def async_save_errors_surface_at_the_next_call():
     fabric.strategy._background_saves.wait(fabric.strategy._engine)
     assert path.is_dir()
     return message[:300]
+
+
+def _exact(got: dict, expected: dict, what: str) -> None:
+    """Same keys, and per key the same dtype, shape and values: a full file moves bits, it does not compute."""
+    assert sorted(got, key=str) == sorted(expected, key=str), f"{what}: keys {sorted(set(got) ^ set(expected))}"
+    for k, e in expected.items():
+        g = got[k]
+        assert g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e), f"{what}: {k} differs: {g} != {e}"
+
+
+def _named_opt_state(model, opt) -> dict:
+    """The optimizer's state as full tensors keyed (parameter name, state key), the way a full file keys it."""
+    names = [n.removeprefix("_forward_module.") for n, _ in model.named_parameters()]
+    return {(names[i], k): v for (i, k), v in _opt_state(opt).items()}
+
+
+def _on_rank_0(fabric, check) -> None:
+    """Run ``check`` on rank 0 and fail on every rank if it fails, so the next case starts in step on all ranks."""
+    error = None
+    if fabric.global_rank == 0:
+        try:
+            check()
+        except Exception as err:  # noqa: BLE001 - re-raised below, with its traceback on rank 0
+            error = err
+    message = fabric.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise AssertionError(f"failed on rank 0: {message}")
+
+
+def _uneven_setup(fabric, seed: int):
+    torch.manual_seed(seed)
+    plain = UnevenModel()
+    return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+
+
+@case
+def uneven_shapes_and_views_in_a_full_checkpoint_read_back_exactly():
+    """Parameters whose dim 0 does not divide by the world size, and views among the other entries: the file must
+    hold exactly their elements, readable by plain torch.load (which checks every record's size) and with mmap."""
+    report = {}
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        fabric = make_fabric(WORLD, state_dict_type="full", sharding_strategy=sharding)
+        model, opt = _uneven_setup(fabric, seed=0)
+        for step in range(2):
+            fabric.backward(model(make_batch(step, fabric.global_rank)))
+            opt.step()
+            opt.zero_grad()
+        uneven = sorted(k for k, v in full_params(model).items() if v.shape[0] % WORLD)
+        assert {"lm.embed.weight", "lm.head.weight", "cls.weight", "row"} <= set(uneven), uneven
+        history = torch.arange(12.0)
+        extras = {"recent": history[8:], "window": history.view(3, 4).t()[1:], "last": history[11],
+                  "none_yet": history[12:]}  # an offset view, a transposed slice, a 0-d view, an empty view
+        path = _dir(fabric) / f"{sharding}.pt"
+        fabric.save(path, {"model": model, "optimizer": opt, **extras})
+        saved_params, saved_opt = full_params(model), _named_opt_state(model, opt)
+        expected_extras = {k: v.contiguous() for k, v in extras.items()}
+
+        def read_back() -> None:
+            for mmap in (False, True):
+                contents = torch.load(path, weights_only=True, mmap=mmap)
+                _exact(contents["model"], saved_params, f"{sharding} mmap={mmap} model")
+                state = contents["optimizer"]["state"]
+                _exact({(p, k): v for p, s in state.items() for k, v in s.items()}, saved_opt,
+                       f"{sharding} mmap={mmap} optimizer")
+                _exact({k: contents[k] for k in extras}, expected_extras, f"{sharding} mmap={mmap} extras")
+
+        _on_rank_0(fabric, read_back)
+        # The project's loader, into a fresh model and optimizer that hold other values (no state at all yet).
+        fresh, fresh_opt = _uneven_setup(fabric, seed=9)
+        assert not _same(saved_params, full_params(fresh)) and not _opt_state(fresh_opt)
+        rest = fabric.load(path, {"model": fresh, "optimizer": fresh_opt})
+        _exact(full_params(fresh), saved_params, f"{sharding} fabric.load model")
+        _exact(_named_opt_state(fresh, fresh_opt), saved_opt, f"{sharding} fabric.load optimizer")
+        _exact(rest, expected_extras, f"{sharding} fabric.load extras")
+        report[sharding] = {"uneven": uneven}
+    return report
+
+
+@case
+def uneven_shapes_convert_exactly_from_a_sharded_checkpoint():
+    """A sharded checkpoint of the uneven model, converted offline to one full file, holds what a full save does."""
+    from lightning_fsdp.checkpoint.convert import convert
+
+    fabric = make_fabric(WORLD, state_dict_type="sharded")
+    model, opt = _uneven_setup(fabric, seed=1)
+    fabric.backward(model(make_batch(0, fabric.global_rank)))
+    opt.step()
+    root = _dir(fabric)
+    history = torch.arange(12.0)
+    fabric.save(root / "sharded", {"model": model, "optimizer": opt, "recent": history[8:]})
+    saved_params, saved_opt = full_params(model), _named_opt_state(model, opt)
+
+    def convert_and_read_back() -> None:
+        convert(root / "sharded", root / "converted.pt", to="full")
+        for mmap in (False, True):
+            contents = torch.load(root / "converted.pt", weights_only=True, mmap=mmap)
+            _exact(contents["model"], saved_params, f"mmap={mmap} model")
+            state = contents["optimizer"]["state"]
+            _exact({(p, k): v for p, s in state.items() for k, v in s.items()}, saved_opt, f"mmap={mmap} optimizer")
+            _exact({"recent": contents["recent"]}, {"recent": torch.tensor([8.0, 9, 10, 11])}, f"mmap={mmap} recent")
+
+    _on_rank_0(fabric, convert_and_read_back)
+    fresh, fresh_opt = _uneven_setup(fabric, seed=9)
+    rest = fabric.load(root / "converted.pt", {"model": fresh, "optimizer": fresh_opt})
+    _exact(full_params(fresh), saved_params, "fabric.load model")
+    _exact(_named_opt_state(fresh, fresh_opt), saved_opt, "fabric.load optimizer")
+    _exact(rest, {"recent": torch.tensor([8.0, 9, 10, 11])}, "fabric.load extras")
+    return "exact"
 
 
 if __name__ == "__main__":

@@ -42,3 +42,23 @@ class TinyTransformer(nn.Module):
 def make_batch(step: int, rank: int, batch: int = 2, seq: int = 8, vocab: int = 32) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+class UnevenModel(nn.Module):
+    """Parameters whose dim 0 does not divide by 2 ranks, as real models have them (a vocabulary of 50257): a
+    vocabulary of 37, a 3-way classification head, and a 1-row parameter that leaves one rank an empty shard.
+    FSDP2 pads such shards, and a gathered full tensor is a view into the padded buffer. ``forward`` returns the
+    loss, so every parameter gets a gradient and optimizer state."""
+
+    VOCAB = 37
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lm = TinyTransformer(vocab=self.VOCAB, dim=dim)
+        self.cls = nn.Linear(dim, 3)
+        self.row = nn.Parameter(torch.randn(1, 5))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(batch[:, :-1]).float()
+        lm_loss = nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), batch[:, 1:].reshape(-1))
+        return lm_loss + self.cls(self.lm.embed(batch)).square().mean() + self.row.square().sum()

@@ -606,11 +606,15 @@ def _write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *,
     weight_map: dict[str, str] = {}
     for shard, file in zip(shards, files):
         tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+        storages: set[int] = set()
         for entry, tensor in checkpoint.read(shard):
-            if tensor.data_ptr() in seen or not tensor.is_contiguous():
-                tensor = tensor.contiguous().clone()  # safetensors refuses tensors that share memory (tied weights)
-            seen.add(tensor.data_ptr())
+            # safetensors writes exactly a tensor's elements, but refuses tensors that overlap in memory: tied
+            # weights, or views of one storage that torch.save kept shared (`a = w[:6]; b = w[4:]`). A tensor gets
+            # its own copy when it is not contiguous or when an earlier one of this shard used its storage.
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in storages or not tensor.is_contiguous():
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            storages.add(tensor.untyped_storage().data_ptr())
             tensors[names[id(entry)]] = tensor
             weight_map[names[id(entry)]] = file.name
         save_file(tensors, str(file), metadata={"format": "pt"})  # "pt": what transformers checks before loading

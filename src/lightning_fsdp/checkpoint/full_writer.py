@@ -9,6 +9,9 @@ and ``mmap=True`` read it, without this package.
 
 Tensors may be DTensors: each is gathered with ``full_tensor()`` when its turn comes, a collective every rank takes
 part in, in the same order, so all ranks walk the same skeleton. Only the writer rank keeps and writes the bytes.
+
+The skeleton declares every tensor as contiguous, at offset 0 of a storage of exactly its own elements, so each
+record must hold exactly those bytes and no others: see :func:`_element_bytes`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp._compat import open_zipfile_writer, storage_type_for
+from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
 
 __all__ = ["write_full_checkpoint", "write_streaming"]
 
@@ -68,14 +71,48 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
             if error is not None:
                 continue
             try:
-                value = value.detach().contiguous().cpu()
-                storage = value.untyped_storage()
-                writer.write_record(f"data/{key}", storage, storage.nbytes())
+                _write_tensor(writer, key, value, declared=tensor)
             except Exception as err:  # noqa: BLE001 - re-raised below
                 error = err
             del value  # free before the next tensor is produced
     if error is not None:
         raise error
+
+
+def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> None:
+    value = _dense_cpu(value)
+    if value.shape != declared.shape or value.dtype != declared.dtype:  # its bytes would not match the skeleton
+        raise RuntimeError(f"internal error: tensor {key} of the checkpoint was declared as {tuple(declared.shape)}"
+                           f" {declared.dtype} but produced {tuple(value.shape)} {value.dtype}. Please report this.")
+    data = _element_bytes(value)
+    writer.write_record(f"data/{key}", data, data.nbytes())
+
+
+def _dense_cpu(value: Tensor) -> Tensor:
+    """``value`` on the CPU with its elements in row-major order in memory. Copies only what is not so already: a
+    tensor that is not contiguous (a transpose, a strided slice), one with a lazy conjugate or negative bit (its
+    memory holds the values before that), one on another device. Made contiguous on its own device first, so the
+    CPU (rank 0's memory, the scarce one in a full save) holds one copy only."""
+    return value.detach().resolve_conj().resolve_neg().contiguous().cpu()
+
+
+def _element_bytes(value: Tensor) -> torch.UntypedStorage:
+    """The bytes of the elements of ``value`` (contiguous, on the CPU), and no others.
+
+    Its storage may hold more than its elements: FSDP2's ``full_tensor()`` of a parameter whose dim 0 does not
+    divide by the world size is a view into a padded buffer, and a slice such as ``history[8:]`` is a view with an
+    offset. ``.contiguous()`` copies neither, and writing the whole storage makes a record that ``torch.load``
+    refuses (or, with ``mmap=True``, reads from the wrong offset). A slice of the storage is a view, not a copy, so
+    a gathered parameter is never held twice; a tensor that owns exactly its storage is written as torch.save does.
+    """
+    if not value.is_contiguous():
+        raise RuntimeError("internal error: only a contiguous tensor's elements are one run of bytes")
+    storage = value.untyped_storage()
+    start = value.storage_offset() * value.element_size()
+    nbytes = value.numel() * value.element_size()
+    if start == 0 and storage.nbytes() == nbytes:
+        return storage
+    return storage[start:start + nbytes]
 
 
 def _gather(tensor: Tensor) -> Tensor:
@@ -87,6 +124,7 @@ class _StorageRef:
 
     def __init__(self, key: int, dtype: torch.dtype, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel
+        self.legacy_type = legacy_storage_type(dtype)
 
 
 class _TensorStub:
@@ -96,32 +134,54 @@ class _TensorStub:
         self.ref, self.shape = ref, shape
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        stride = _contiguous_stride(self.shape)
-        return (torch._utils._rebuild_tensor_v2, (self.ref, 0, self.shape, stride, False, collections.OrderedDict()))
+        args = (self.ref, 0, self.shape, _contiguous_stride(self.shape), False, collections.OrderedDict())
+        if self.ref.legacy_type is None:  # float8 and the other newer dtypes: an untyped storage, then the dtype
+            return (rebuild_tensor_with_dtype, (*args, self.ref.dtype))
+        return (rebuild_tensor, args)
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Optional[tuple]:
-        if isinstance(obj, _StorageRef):
-            return ("storage", storage_type_for(obj.dtype), str(obj.key), "cpu", obj.numel)
-        return None
+        if not isinstance(obj, _StorageRef):
+            return None
+        if obj.legacy_type is None:  # an untyped storage counts bytes, a legacy typed one elements
+            return ("storage", torch.UntypedStorage, str(obj.key), "cpu", obj.numel * obj.dtype.itemsize)
+        return ("storage", obj.legacy_type, str(obj.key), "cpu", obj.numel)
 
 
 def _skeletonize(obj: Any) -> tuple[Any, list[Tensor]]:
     tensors: list[Tensor] = []
 
-    def walk(value: Any) -> Any:
+    def walk(value: Any, where: str) -> Any:
         if isinstance(value, Tensor):
+            _check_writable(value, where)
             tensors.append(value)
             shape = tuple(value.shape)
             return _TensorStub(_StorageRef(len(tensors) - 1, value.dtype, _numel(shape)), shape)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}  # an OrderedDict is written as a plain dict
+        if isinstance(value, dict):  # an OrderedDict is written as a plain dict
+            return {k: walk(v, f"{where}[{k!r}]") for k, v in value.items()}
         if type(value) in (list, tuple):
-            return type(value)(walk(v) for v in value)
+            return type(value)(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
         return value
 
-    return walk(obj), tensors
+    return walk(obj, "state"), tensors
+
+
+def _check_writable(value: Tensor, where: str) -> None:
+    """The skeleton can only describe dense tensors of a dtype torch.save knows; refuse the rest before any byte
+    (or gather) is spent, on every rank alike, rather than write a file that reads back wrong."""
+    problem = None
+    if value.layout != torch.strided or value.is_quantized:
+        problem = f"is a {'quantized' if value.is_quantized else str(value.layout)} tensor"
+    else:
+        try:
+            legacy_storage_type(value.dtype)
+        except KeyError:
+            problem = f"has dtype {value.dtype}, which torch.save cannot write"
+    if problem is not None:
+        raise TypeError(f"The checkpoint entry {where} {problem}; a full checkpoint holds dense tensors of the"
+                        " dtypes torch.save writes. HINT: convert it before saving, e.g. `tensor.to_dense()` or"
+                        " `tensor.dequantize()`.")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
