@@ -17,6 +17,10 @@ from lightning.fabric.plugins.precision.utils import _DtypeContextManager as Dty
 from torch.serialization import _open_zipfile_writer as open_zipfile_writer
 from torch.storage import _dtype_to_storage_type_map
 
+# DCP's record of where one item lives in a shard file (file, offset, length): its `.metadata` pickles it, so the
+# allow-list unpickler must name it, and the checksum reader verifies one such slice at a time.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo
+
 
 def storage_type_for(dtype):
     """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references."""
@@ -32,5 +36,6 @@ __all__ = [
     "convert_fp_tensor",
     "DtypeContextManager",
     "open_zipfile_writer",
+    "DCPStorageInfo",
     "storage_type_for",
 ]
