@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
 import struct
 import uuid
@@ -181,7 +180,10 @@ def _check_item(root: Path, sinfo: Any, data: bytes, expected: dict, seed: int) 
         raise ChecksumError(f"{where!r} has no recorded checksum for the item at byte {sinfo.offset}; the"
                             f" checkpoint's .metadata and {CHECKSUMS_FILENAME} disagree.{_HINT}")
     length, crc, name = recorded
-    if len(data) != length or sinfo.length != length or zlib.crc32(data, seed) != crc:
+    if len(data) < sinfo.length:
+        raise ChecksumError(f"{where!r} could not be read: it is truncated (the tensor {name!r} needs bytes up to"
+                            f" {sinfo.offset + sinfo.length}).{_HINT}")
+    if sinfo.length != length or zlib.crc32(data, seed) != crc:
         raise ChecksumError(f"{where!r} is corrupted: the bytes of the tensor {name!r} do not match the checksum"
                             " recorded when the checkpoint was saved (damaged, or copied from another"
                             f" checkpoint).{_HINT}")
@@ -215,6 +217,7 @@ def verify_sharded(path: Union[str, Path]) -> bool:
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
+_CHUNK = 8 * 2**20
 
 
 def verify_zip(path: Union[str, Path]) -> bool:
@@ -225,17 +228,22 @@ def verify_zip(path: Union[str, Path]) -> bool:
         infos = [i for i in archive.infolist() if i.compress_type == zipfile.ZIP_STORED and not i.is_dir()]
         if infos and all(i.CRC == 0 for i in infos if i.file_size):
             return False
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for info in infos:
-                    signature, name_length, extra_length = _LOCAL_HEADER.unpack_from(mapped, info.header_offset)
-                    start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-                    if signature != b"PK\x03\x04" or zlib.crc32(view[start:start + info.file_size]) != info.CRC:
-                        raise ChecksumError(f"{str(path)!r} is corrupted: {_record_name(archive, info)} does not"
-                                            f" match the checksum recorded when it was saved.{_HINT}")
-            finally:
-                view.release()
+        # Read in chunks into one buffer rather than through a memory mapping: mapped file pages would count as
+        # this process's resident memory (the whole file), read ones stay in the page cache only.
+        buffer = memoryview(bytearray(_CHUNK))
+        for info in infos:
+            file.seek(info.header_offset)
+            signature, name_length, extra_length = _LOCAL_HEADER.unpack(file.read(_LOCAL_HEADER.size))
+            file.seek(name_length + extra_length, os.SEEK_CUR)
+            crc, left = 0, info.file_size
+            while left > 0:
+                count = file.readinto(buffer[:min(left, _CHUNK)])
+                if not count:
+                    break
+                crc, left = zlib.crc32(buffer[:count], crc), left - count
+            if signature != b"PK\x03\x04" or left or crc != info.CRC:
+                raise ChecksumError(f"{str(path)!r} is corrupted: {_record_name(archive, info)} does not"
+                                    f" match the checksum recorded when it was saved.{_HINT}")
     return True
 
 
