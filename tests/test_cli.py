@@ -110,7 +110,7 @@ def test_sharded_to_full_matches_the_strategys_full_checkpoint(ckpt, tmp_path, c
 
 def test_full_to_sharded_to_full_round_trip(ckpt, tmp_path, capsys):
     assert cli(capsys, "convert", ckpt / "full.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
-    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "checksums.json", "meta.pt"]
     assert load(tmp_path / "sharded" / "meta.pt") == {"step": 3, "note": {"run": "cli-test", "lr": 0.01}}
     assert cli(capsys, "convert", tmp_path / "sharded", tmp_path / "again.pt", "--to", "full")[0] == 0
     assert_same(load(tmp_path / "again.pt"), load(ckpt / "full.pt"))

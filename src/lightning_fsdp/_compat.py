@@ -25,6 +25,10 @@ from torch._utils import _rebuild_tensor_v3 as rebuild_tensor_with_dtype
 from torch.serialization import _open_zipfile_writer as open_zipfile_writer
 from torch.storage import _dtype_to_storage_type_map, _new_dtypes
 
+# DCP's record of where one item lives in a shard file (file, offset, length): its `.metadata` pickles it, so the
+# allow-list unpickler must name it, and the checksum reader verifies one such slice at a time.
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo
+
 
 def legacy_storage_type(dtype):
     """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references to a
@@ -50,4 +54,5 @@ __all__ = [
     "open_zipfile_writer",
     "rebuild_tensor",
     "rebuild_tensor_with_dtype",
+    "DCPStorageInfo",
 ]

@@ -1,12 +1,13 @@
 """The ``lightning-fsdp`` command (also ``python -m lightning_fsdp``): inspect and convert checkpoints.
 
-    lightning-fsdp inspect PATH [--tensors] [--json]
+    lightning-fsdp inspect PATH [--tensors] [--json] [--verify]
     lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY] [--overwrite]
 
 It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
 path, an existing DST without ``--overwrite``, a bad option), with one line on stderr that names the problem and
-the fix; 1 when the system fails the conversion (a full disk, a permission), also as one line; 130 when interrupted.
+the fix; 1 when the system fails the conversion (a full disk, a permission), or when ``inspect --verify`` finds
+bytes that do not match their checksums, also as one line; 130 when interrupted.
 A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
 
 The progress bar goes to stderr while ``convert`` runs, when stderr is a terminal; ``--progress`` shows it
@@ -21,6 +22,7 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
+from lightning_fsdp.checkpoint.checksums import ChecksumError, verify_checkpoint
 from lightning_fsdp.checkpoint.convert import FORMATS, UsageError, convert, describe, open_checkpoint, parse_size
 
 __all__ = ["main"]
@@ -63,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="PATH", help="a full checkpoint file or a sharded checkpoint directory")
     inspect.add_argument("--tensors", action="store_true", help="also list every tensor's name, shape and dtype")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    inspect.add_argument("--verify", action="store_true",
+                         help="also check every byte against the checksums recorded at save (reads the whole"
+                              " checkpoint, loads nothing into a model); exit status 1 on a mismatch")
     _add_allow_pickle(inspect)
     inspect.set_defaults(run=_inspect)
 
@@ -103,6 +108,11 @@ def _size(text: str) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     info = describe(open_checkpoint(args.path, allow_pickle=args.allow_pickle), tensors=args.tensors)
+    if args.verify:
+        try:
+            info["checksums"] = "verified" if verify_checkpoint(args.path) else "none"
+        except ChecksumError as err:
+            return _fail(str(err), 1)
     print(json.dumps(info, indent=2) if args.json else _render(info))
     return 0
 
@@ -137,6 +147,11 @@ def _render(info: dict[str, Any]) -> str:
         lines.append(f"optimizer    {key}: {opt['state_tensors']:,} state tensors, {_bytes(opt['bytes'])},"
                      f" {groups} param group{'s' if groups != 1 else ''}")
     lines.append(f"metadata     {', '.join(info['metadata_keys']) or '(none)'}")
+    if "checksums" in info:
+        lines.append("checksums    " + ("verified: every byte matches the checksums recorded at save"
+                                      if info["checksums"] == "verified" else
+                                      "NONE: this checkpoint carries no checksums (saved before they were"
+                                      " recorded), so nothing was verified"))
     if "tensors" in info:
         lines.append("tensors")
         width = max((len(t["name"]) for t in info["tensors"]), default=0)

@@ -16,8 +16,9 @@ holds all model weights at once (not the optimizer state). Measured on a 201 MB 
 RSS was 6 MB (full -> sharded) to 21 MB (sharded -> safetensors in 20 MB shards); ``tests/workers/convert_memory.py``
 measures it.
 
-Entries that are not tensors are unpickled with ``weights_only`` unless ``allow_pickle`` is given. DCP's own
-``.metadata`` file is a plain pickle, though, whatever this module does: open sharded checkpoints you trust.
+Nothing is unpickled freely unless ``allow_pickle`` is given: DCP's ``.metadata`` goes through the allow-list of
+:mod:`.safe_pickle`, everything else through ``torch.load(weights_only=True)``. Sharded sources are checked against
+their checksums as they are read, full sources before (:mod:`.checksums`), and sharded outputs record checksums.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint.checksums import ChecksumError, ChecksumWriter, VerifyingReader, new_save_id, verify_zip
 from lightning_fsdp.checkpoint.full_writer import write_streaming
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
 
 __all__ = [
     "UsageError",
@@ -163,7 +166,7 @@ class _ShardedCheckpoint(Checkpoint):
     def __init__(self, path: Path, *, allow_pickle: bool) -> None:
         self.path = path
         self._allow_pickle = allow_pickle
-        self._reader = _CachedReader(path)
+        self._reader = _CachedReader(path, allow_pickle=allow_pickle)
         with _reading(path / ".metadata"):
             stored = self._reader.read_metadata()
         self.world_size = len({int(m.group(1)) for m in map(_DCP_FILE.fullmatch, os.listdir(path)) if m})
@@ -248,11 +251,11 @@ class _FullCheckpoint(Checkpoint):
             yield entry, _get(contents, entry.path[1:] if self.bare else entry.path)
 
 
-class _CachedReader(dcp.FileSystemReader):
+class _CachedReader(VerifyingReader):
     """DCP re-reads ``.metadata`` on every ``load``; we load one small batch at a time, so read it once."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, *, allow_pickle: bool) -> None:
+        super().__init__(path, allow_pickle=allow_pickle)
         self._metadata: Any = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -340,7 +343,7 @@ def _single_process() -> Iterator[None]:
 def _load_file(path: Path, allow_pickle: bool) -> Any:
     with _reading(path):
         try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=not allow_pickle)
+            return load_file(path, allow_pickle=allow_pickle)
         except pickle.UnpicklingError as err:  # what `weights_only` raises for objects it refuses
             raise UsageError(_needs_pickle(repr(str(path)))) from err
 
@@ -352,6 +355,8 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except UsageError:
         raise
+    except (UnsafeCheckpointError, ChecksumError) as err:  # their messages name the file and the fix already
+        raise UsageError(str(err)) from err
     except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
         lines = str(err).strip().splitlines()
         cause = lines[0] if lines else type(err).__name__
@@ -450,6 +455,9 @@ def convert(
         raise UsageError(f"{str(checkpoint.path)!r} is already a {to} checkpoint, so there is nothing to convert."
                          f" HINT: choose {others}.")
     _check_destination(checkpoint.path, target, overwrite, to)
+    if checkpoint.format == "full":
+        with _reading(checkpoint.path):  # sharded sources are checked as they are read
+            verify_zip(checkpoint.path)
     if to == "full":
         writer: Callable[[Path], None] = lambda staged: _write_full(checkpoint, staged, progress)
     elif to == "sharded":
@@ -547,7 +555,7 @@ def _write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Prog
     staged.mkdir(parents=True)
     planner = _StreamingSavePlanner(meter)
     with _single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(staged), planner=planner, no_dist=True)
+        dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id()), planner=planner, no_dist=True)
     torch.save(checkpoint.metadata, staged / METADATA_FILENAME)
 
 

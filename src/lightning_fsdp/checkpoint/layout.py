@@ -13,6 +13,7 @@ from pathlib import Path
 
 METADATA_FILENAME = "meta.pt"
 DCP_METADATA_FILENAME = ".metadata"
+CHECKSUMS_FILENAME = "checksums.json"  # per-item checksums of a sharded checkpoint (see .checksums)
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -31,5 +32,5 @@ def foreign_entries(path: Path) -> list[str]:
     """Names inside a sharded checkpoint directory that no checkpoint writer put there (a user's files)."""
     return sorted(
         entry.name for entry in path.iterdir()
-        if entry.name not in (DCP_METADATA_FILENAME, METADATA_FILENAME) and not entry.name.endswith(".distcp")
+        if entry.name not in (DCP_METADATA_FILENAME, METADATA_FILENAME, CHECKSUMS_FILENAME) and not entry.name.endswith(".distcp")
     )

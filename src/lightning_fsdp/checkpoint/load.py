@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint import atomic, checksums
 from lightning_fsdp.checkpoint.agreement import Communicator, together
-from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.lightning_layouts import (
     TRAINER_OPTIMIZER_LIST_KEY,
     checkpoint_keys_used,
@@ -37,6 +37,7 @@ from lightning_fsdp.checkpoint.lightning_layouts import (
     read_entry,
     remap_requested_keys,
 )
+from lightning_fsdp.checkpoint.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 
 __all__ = ["load_checkpoint", "checkpoint_keys"]
@@ -118,11 +119,13 @@ def _load_sharded(
     meta_file = source / METADATA_FILENAME
 
     def read_metadata() -> tuple[dict[str, Any], set[str]]:
+        if meta_file.is_file():
+            checksums.verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-        return metadata, set(_dcp_top_level_keys(source)) | set(metadata)
+        return metadata, set(_dcp_top_level_keys(source, weights_only)) | set(metadata)
 
     metadata, available = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
-    together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source))
+    together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, weights_only))
     # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
     where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
     _check_requested(state, {k for k, v in where.items() if v in available}, strict)
@@ -131,7 +134,10 @@ def _load_sharded(
         if where[key] in available:
             tensors[where[key]] = get_optimizer_state_dict(split.owners[key], optimizer)
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
-    together(comm, f"Reading the shards of {str(source)!r}", lambda: dcp.load(tensors, checkpoint_id=source, planner=planner))
+    # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads.
+    reader = checksums.VerifyingReader(source, allow_pickle=not weights_only)
+    together(comm, f"Reading the shards of {str(source)!r}",
+             lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
     options = StateDictOptions(strict=strict)
     for key, module in split.models.items():
         if where[key] in tensors:
@@ -151,6 +157,8 @@ def _load_full(
 
     def open_file() -> None:
         if comm.global_rank == 0:
+            if not checksums.verify_zip(source):  # only rank 0 reads the file, so only rank 0 checks it
+                checksums.note_unverified(source)
             loaded = _torch_load(source, weights_only)
             if not isinstance(loaded, dict):
                 raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
@@ -210,7 +218,7 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         if self._weights_only:
             payload = value.getvalue()
             try:
-                torch.load(io.BytesIO(payload), weights_only=True)
+                load_bytes(payload)
             except Exception as err:
                 raise RuntimeError(
                     f"The entry {read_item.dest_index.fqn!r} holds objects that only full unpickling can restore, and"
@@ -240,7 +248,7 @@ def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only
 
     def find() -> Optional[str]:
         if sharded:
-            metadata = dcp.FileSystemReader(source).read_metadata()
+            metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
             kinds: dict[str, bool] = {}
             for fqn in metadata.state_dict_metadata:
                 top, _, rest = fqn.partition(".")
@@ -261,10 +269,10 @@ def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only
     return together(comm, f"Finding the model in {str(source)!r}", find)
 
 
-def _check_shard_files(source: Path) -> None:
+def _check_shard_files(source: Path, weights_only: bool) -> None:
     """Name a missing or truncated ``.distcp`` file before DCP trips over it with an anonymous read error: the
     metadata records where in which file every piece lives, so each file must reach the end of its last piece."""
-    metadata = dcp.FileSystemReader(source).read_metadata()
+    metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
@@ -293,14 +301,14 @@ def _check_requested(state: dict[str, Any], available, strict: bool) -> None:
         )
 
 
-def _dcp_top_level_keys(path: Path) -> set[str]:
-    metadata = dcp.FileSystemReader(path).read_metadata()
+def _dcp_top_level_keys(path: Path, weights_only: bool) -> set[str]:
+    metadata = load_dcp_metadata(path / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
     return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
 
 
 def _torch_load(path: Path, weights_only: bool) -> Any:
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return load_file(path, allow_pickle=not weights_only)
     except Exception as err:
         if weights_only and "weights_only" in str(err):
             raise RuntimeError(

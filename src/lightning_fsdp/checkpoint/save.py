@@ -20,6 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
@@ -78,15 +79,16 @@ def write_sharded(
     The building block of :func:`save_checkpoint`, also for fronts whose checkpoints have a layout of their own.
     """
     target, staged = _prepare(path, comm)
+    writer = _checksum_writer(staged, comm)
     if background is not None:
-        background.start(tensors, metadata, staged, target, comm)
+        background.start(tensors, metadata, staged, target, comm, writer=writer)
         return target
 
     def write() -> None:
         if comm.global_rank == 0:
             staged.mkdir(parents=True)
         comm.barrier()
-        dcp.save(tensors, checkpoint_id=staged)
+        dcp.save(tensors, checkpoint_id=staged, storage_writer=writer)
         if comm.global_rank == 0:
             torch.save(metadata, staged / METADATA_FILENAME)
             atomic.fsync_tree(staged)
@@ -119,6 +121,11 @@ def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
 
     together(comm, "Checking the checkpoint path", check)
     return target, atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
+
+
+def _checksum_writer(staged: Path, comm: Communicator) -> ChecksumWriter:
+    """DCP's writer, recording a checksum per item under one save id shared by all ranks (:mod:`.checksums`)."""
+    return ChecksumWriter(staged, save_id=comm.broadcast(new_save_id()))
 
 
 def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
@@ -185,7 +192,10 @@ class AsyncSaves:
     def in_flight(self) -> bool:
         return self._future is not None
 
-    def start(self, tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm) -> None:
+    def start(
+        self, tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm,
+        writer: Optional[dcp.FileSystemWriter] = None,
+    ) -> None:
         self.wait(comm)
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -196,7 +206,7 @@ class AsyncSaves:
                 torch.save(metadata, staged / METADATA_FILENAME)
 
         together(comm, f"Preparing the background save of {str(target)!r}", prepare)
-        future = dcp.async_save(tensors, checkpoint_id=staged, process_group=self._group)
+        future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group)
         self._future, self._target, self._commit_error = future, target, None
         self._committed = threading.Event()
         if comm.global_rank == 0:

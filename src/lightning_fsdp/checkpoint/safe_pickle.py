@@ -1,0 +1,192 @@
+"""Checkpoint files are read with an allow-list only.
+
+Unpickling runs whatever callable a pickle names, so a crafted checkpoint file can run code on every rank that
+loads it. This module is the one place that turns checkpoint bytes into objects, and it never unpickles freely
+unless the user opted in (``weights_only=False``, CLI ``--allow-pickle``):
+
+- DCP's ``.metadata`` (torch reads it with plain ``pickle.load``): :func:`load_dcp_metadata` and
+  :class:`SafeFileSystemReader`, which every DCP read in this package goes through. The allow-list holds DCP's
+  metadata classes, torch dtypes, sizes, layouts and memory formats, paths, and plain containers.
+- ``torch.save`` files (full checkpoints, ``meta.pt``) and DCP's non-tensor entries: :func:`load_file` and
+  :func:`load_bytes`, i.e. ``torch.load(weights_only=True)``, torch's own allow-list unpickler.
+- :func:`tensor_record_names` reads a ``torch.save`` index without constructing anything, to name tensors in errors.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+
+from lightning_fsdp._compat import DCPStorageInfo
+
+__all__ = [
+    "UnsafeCheckpointError",
+    "load_dcp_metadata",
+    "load_file",
+    "load_bytes",
+    "SafeFileSystemReader",
+    "tensor_record_names",
+]
+
+HINT = (" HINT: if you trust this checkpoint, allow full unpickling explicitly: `fabric.load(path, state,"
+        " weights_only=False)` (command line: `--allow-pickle`).")
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file names an object that unpickling would have to construct or call, outside the allow-list."""
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """What a DCP ``.metadata`` may name. Every entry is either a class whose construction only stores data, or a
+    function that only looks a name up (``_get_layout``); none can reach the file system or run code."""
+    allowed: dict[tuple[str, str], Any] = {}
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        allowed[(dcp_metadata.__name__, name)] = getattr(dcp_metadata, name)
+    allowed[(DCPStorageInfo.__module__, DCPStorageInfo.__name__)] = DCPStorageInfo
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    import collections
+    import pathlib
+
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    for name in ("set", "frozenset", "slice", "complex"):
+        allowed[("builtins", name)] = getattr(__import__("builtins"), name)
+    return allowed
+
+
+_ALLOWED = _allowed_globals()
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], what: str) -> None:
+        super().__init__(file)
+        self._what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafeCheckpointError(
+                f"{self._what} names `{module}.{name}`, which is not allowed in a checkpoint: unpickling it could run"
+                f" arbitrary code, so nothing of it was run.{HINT}"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self._what} holds a persistent reference, which DCP metadata never has.{HINT}")
+
+
+def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False) -> Any:
+    """Unpickle DCP's ``.metadata`` at ``path`` with the allow-list (plain pickle only with ``allow_pickle``)."""
+    with open(path, "rb") as file:
+        if allow_pickle:
+            return pickle.load(file)
+        return _AllowListUnpickler(file, repr(str(path))).load()
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, except that ``.metadata`` is unpickled with the allow-list.
+
+    Tensors are read by DCP with ``weights_only=True`` already; non-tensor entries go through the load planner,
+    which this package's planners check with :func:`load_bytes`.
+    """
+
+    def __init__(self, path: Union[str, Path], *, allow_pickle: bool = False) -> None:
+        super().__init__(path)
+        self.allow_pickle = allow_pickle
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = load_dcp_metadata(Path(self.path) / name, allow_pickle=self.allow_pickle)
+        # What torch's reader does after unpickling: stamp this load's id (older files have no storage_meta).
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_file(path: Union[str, Path], *, allow_pickle: bool = False, mmap: bool = True) -> Any:
+    """``torch.load`` a checkpoint file: torch's allow-list (``weights_only=True``) unless ``allow_pickle``."""
+    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not allow_pickle)
+
+
+def load_bytes(payload: bytes, *, allow_pickle: bool = False) -> Any:
+    """``torch.load`` one serialized entry (a DCP non-tensor entry) under the same rule as :func:`load_file`."""
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=not allow_pickle)
+
+
+class _Opaque:
+    """Stands for any object of a ``torch.save`` index while only the places of its tensors are wanted: it takes
+    any arguments and any state, and does nothing with them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Opaque":
+        return _Opaque()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _Record:
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+class _IndexReader(pickle.Unpickler):
+    """Unpickles a ``torch.save`` index (``data.pkl``) into its containers, with each tensor replaced by the key of
+    its data record. Every global becomes :class:`_Opaque`, so nothing named in the file is imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+            return lambda storage, *args, **kwargs: storage
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        return _Opaque
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Record(str(pid[2])) if isinstance(pid, tuple) and len(pid) > 2 else _Opaque()
+
+
+def tensor_record_names(index: bytes) -> dict[str, str]:
+    """Map each data record key of a ``torch.save`` file to the dotted path of its tensor (``model.fc.weight``),
+    given the bytes of its ``data.pkl``. Runs no code from the file."""
+    names: dict[str, str] = {}
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, _Record):
+            names.setdefault(value.key, ".".join(map(str, path)))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, (*path, k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, (*path, i))
+
+    try:
+        walk(_IndexReader(io.BytesIO(index)).load(), ())
+    except Exception:  # noqa: BLE001 - a damaged index: the caller names the record key instead
+        pass
+    return names
