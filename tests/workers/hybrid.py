@@ -93,5 +93,40 @@ def meta_init_replicas_agree_and_shards_differ():
     return {"checksum": sums[0]["blocks.0.mlp.0.weight"]}
 
 
+@case
+def ranks_seeded_differently_start_from_rank0_hybrid():
+    # Every rank builds its own model (another seed, another buffer); after setup each holds rank 0's, replicas
+    # included, and training matches a reference that starts from rank 0's model.
+    import torch.distributed as dist
+
+    from common import global_batch, loss_fn, max_param_diff
+    from models import make_batch
+
+    fabric = _fabric(sharding_strategy="HYBRID_SHARD", **MESH)
+    torch.manual_seed(1234 + 17 * fabric.global_rank)
+    plain = TinyTransformer()
+    plain.register_buffer("scale", 1 + torch.rand(16))
+    plain.embed.register_forward_hook(lambda m, a, out: out * plain.scale)
+    box = [{k: v.clone() for k, v in [*plain.named_parameters(), *plain.named_buffers()]}]
+    dist.broadcast_object_list(box, src=0)
+    expected = box[0]
+    model, opt = fabric.setup(plain, sgd(plain))
+    for name, tensor in [*model.module.named_parameters(), *model.module.named_buffers()]:
+        assert torch.equal(full(tensor).detach(), expected[name]), f"{name} is not rank 0's"
+    reference = TinyTransformer()
+    reference.register_buffer("scale", expected["scale"].clone())
+    reference.embed.register_forward_hook(lambda m, a, out: out * reference.scale)
+    reference.load_state_dict({k: v for k, v in expected.items() if k != "scale"}, strict=False)
+    ref_opt = sgd(reference)
+    for step in range(3):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+        loss_fn(reference, global_batch(step, WORLD)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"param_diff": max_param_diff(model, reference, 1e-5)}
+
+
 if __name__ == "__main__":
     run_cases()
