@@ -27,7 +27,7 @@ def _start(mode: str, tmp_path):
     return procs
 
 
-@pytest.mark.parametrize("mode", ["die", "hang"])
+@pytest.mark.parametrize("mode", ["die", "hang", "die_in_full_load"])
 def test_survivor_fails_within_timeout(mode, tmp_path):
     survivor, other = _start(mode, tmp_path)
     try:
@@ -43,5 +43,7 @@ def test_survivor_fails_within_timeout(mode, tmp_path):
     assert record["elapsed_s"] < TIMEOUT_S + 15, record
     assert record["raised"] == "CollectiveFailure", record
     message = record["message"]
-    assert message.startswith("Rank 0 of 2: a collective in ") and f"timeout=0:00:0{int(TIMEOUT_S)}" in message, message
+    # The message names the rank that failed (the other one), and the one reporting.
+    assert message.startswith("A collective in ") and " failed on rank 1, " in message, message
+    assert "(Reported by rank 0 of 2.)" in message and f"timeout=0:00:0{int(TIMEOUT_S)}" in message, message
     assert "HINT:" in message and "Backend error:" in message, message

@@ -123,6 +123,10 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         target = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar)
+    except OSError as err:
+        if err.filename is None and err.errno is not None:  # DCP's writers report a full disk without the file
+            raise OSError(err.errno, f"{err.strerror} while writing {args.dst!r}") from err
+        raise
     finally:
         if bar is not None:
             bar.close()

@@ -7,8 +7,10 @@ live in :mod:`lightning_fsdp.mesh` and run at setup.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from typing import Any, Literal, Optional, Union
 
@@ -86,6 +88,7 @@ class FSDPConfig:
     hybrid_no_sync: HybridNoSync
     async_save: bool
     sync_module_states: bool = True
+    timeout: Optional[timedelta] = None  # None: the backend's default
 
     @property
     def cpu_offload(self) -> bool:
@@ -107,6 +110,7 @@ class FSDPConfig:
         hybrid_no_sync: str = "skip_all",
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
+        timeout: Union[timedelta, float, None] = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         return cls(
@@ -123,6 +127,7 @@ class FSDPConfig:
             hybrid_no_sync=_parse_hybrid_no_sync(hybrid_no_sync, strategy),
             async_save=_parse_async_save(async_save, state_dict_type),
             sync_module_states=_parse_sync_module_states(sync_module_states),
+            timeout=parse_timeout(timeout),
         )
 
 
@@ -181,6 +186,23 @@ def parse_sharding_strategy(value: Any) -> ShardingStrategy:
             "sharding_strategy", value, _SHARDING_ALLOWED,
             "Pass the strategy's name as a string, e.g. `sharding_strategy='HYBRID_SHARD'`.",
             problem=f"A value of type {type(value).__name__} is not a sharding strategy",
+        )
+    )
+
+
+def parse_timeout(value: Any) -> Optional[timedelta]:
+    """``timeout``: a ``timedelta`` or a number of seconds, checked here rather than when the process group is
+    created at launch, where a wrong type fails far from the line that set it."""
+    if value is None or (isinstance(value, timedelta) and value > timedelta(0)):
+        return value
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if is_number and math.isfinite(value) and value > 0:
+        return timedelta(seconds=value)
+    error = ValueError if is_number or isinstance(value, timedelta) else TypeError
+    raise error(
+        bad_argument(
+            "timeout", value, "a datetime.timedelta or a number of seconds (int or float), greater than 0",
+            "Pass e.g. `timeout=1800` or `timeout=datetime.timedelta(minutes=30)`.",
         )
     )
 

@@ -46,7 +46,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         precision: a precision plugin or name (``"bf16-mixed"``, ...). Usually set with ``Fabric(precision=...)``;
             when given here, Lightning's connector uses it and ignores ``Fabric(precision=...)``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.
-        timeout: how long a collective waits for a missing rank before failing.
+        timeout: how long a collective waits for a missing rank before failing: a ``timedelta`` or a number of
+            seconds.
         cpu_offload: ``True`` or a ``CPUOffloadPolicy``: keep sharded parameters, gradients and optimizer state in
             host memory (pinned on CUDA).
         mixed_precision: a ``MixedPrecisionPolicy`` that overrides the one the precision setting implies.
@@ -81,7 +82,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         cluster_environment: Optional[ClusterEnvironment] = None,
         precision: Optional[Union[Precision, PrecisionName]] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         cpu_offload: Union[bool, CPUOffloadPolicy, None] = None,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         auto_wrap_policy: Optional[PolicyInput] = None,
@@ -104,7 +105,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             cluster_environment=cluster_environment,
             precision=own_precision,
         )
-        self._engine = FSDPEngine(config, process_group_backend, timeout)
+        self._engine = FSDPEngine(config, process_group_backend, config.timeout)
         self._num_nodes = 1
         self._backward_sync_control = _EngineBackwardSyncControl(self._engine)
         self._background_saves = checkpoint.AsyncSaves()

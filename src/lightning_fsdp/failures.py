@@ -48,12 +48,28 @@ def explain_collective_failure(phase: str, timeout: Optional[timedelta] = None) 
 
 
 def _message(phase: str, timeout: Optional[timedelta], err: BaseException) -> str:
-    where = f"Rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "This rank"
     timeout = timeout if timeout is not None else _process_group_timeout
     limit = f"timeout={timeout}" if timeout is not None else "the process group's timeout"
     return (
-        f"{where}: a collective in {phase} failed, so another rank has most likely died, hung, or run a different"
-        f" sequence of collectives; waits are bounded by {limit}. The first error is usually in another rank's log."
+        f"A collective in {phase} failed on {_suspects()}, which has most likely died, hung, or run a different"
+        f" sequence of collectives; waits are bounded by {limit}. The first error is usually in that rank's log."
         f" HINT: fix that rank's error; if a rank is only slow (e.g. a long save), raise `FSDPStrategy(timeout=...)`."
-        f" Backend error: {str(err).strip()}"
+        f" (Reported by {_reporter()}.) Backend error: {str(err).strip()}"
     )
+
+
+def _reporter() -> str:
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "this rank"
+
+
+def _suspects() -> str:
+    """The rank that failed, as far as this rank can tell: the backends' errors name a peer's address at most, never
+    its rank, so with two ranks it is the other one, and with more it is one of the others."""
+    if not dist.is_initialized():
+        return "another rank"
+    me, world = dist.get_rank(), dist.get_world_size()
+    others = [r for r in range(world) if r != me]
+    if len(others) == 1:
+        return f"rank {others[0]}"
+    shown = ", ".join(map(str, others[:8])) + (", ..." if len(others) > 8 else "")
+    return f"one of the other ranks ({shown})"

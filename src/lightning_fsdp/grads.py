@@ -23,26 +23,31 @@ __all__ = ["clip_grad_norm", "clip_grad_value", "total_grad_norm"]
 
 
 def total_grad_norm(grads: Iterable[Tensor], norm_type: float) -> Tensor:
-    """The norm of all gradients together, identical on every rank, as a float32 scalar."""
+    """The norm of all gradients together, identical on every rank, as a float32 scalar.
+
+    A NaN anywhere makes it NaN on every rank, whatever ``norm_type``: for ``inf`` the partials are reduced with
+    MAX, and gloo's MAX drops NaN (a comparison with NaN is false), so each partial carries a second element, 1 when
+    its shard holds a NaN, that MAX keeps.
+    """
     grads = list(grads)
     device = _local(grads[0]).device if grads else torch.device("cpu")
     inf = math.isinf(norm_type)
+    size = 2 if inf else 1  # (partial, has-NaN flag) for inf; the p-th power sum carries NaN through SUM itself
     # One partial per (mesh, sharded axes), since each needs its own reduction.
     partials: dict[tuple, tuple[Tensor, list]] = {}
-    local_total = torch.zeros((), dtype=torch.float32, device=device)
+    local_total = torch.zeros(size, dtype=torch.float32, device=device)
     for grad in grads:
         local = _local(grad).detach()
-        if local.numel() == 0:
-            part = torch.zeros((), dtype=torch.float32, device=device)
-        elif inf:
-            part = local.abs().max().float().to(device)
-        else:
-            part = torch.linalg.vector_norm(local.float(), norm_type).pow(norm_type).to(device)
+        part = torch.zeros(size, dtype=torch.float32, device=device)
+        if local.numel() and inf:
+            part = torch.stack([local.abs().max().float(), local.isnan().any().float()]).to(device)
+        elif local.numel():
+            part = torch.linalg.vector_norm(local.float(), norm_type).pow(norm_type).reshape(1).to(device)
         if isinstance(grad, DTensor):
             axes = [i for i, p in enumerate(grad.placements) if isinstance(p, Shard)]
             key = (id(grad.device_mesh), tuple(axes))
             if key not in partials:
-                partials[key] = (torch.zeros((), dtype=torch.float32, device=device), [grad.device_mesh, axes])
+                partials[key] = (torch.zeros(size, dtype=torch.float32, device=device), [grad.device_mesh, axes])
             acc = partials[key][0]
             partials[key] = (torch.maximum(acc, part) if inf else acc + part, partials[key][1])
         else:
@@ -53,7 +58,9 @@ def total_grad_norm(grads: Iterable[Tensor], norm_type: float) -> Tensor:
         for axis in axes:
             dist.all_reduce(acc, op=op, group=mesh.get_group(axis))
         total = torch.maximum(total, acc) if inf else total + acc
-    return total if inf else total.pow(1.0 / norm_type)
+    if inf:
+        return torch.where(total[1] > 0, torch.full_like(total[0], float("nan")), total[0])
+    return total[0].pow(1.0 / norm_type)
 
 
 def clip_grad_norm(

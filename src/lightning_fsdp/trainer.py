@@ -132,7 +132,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         *,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[float, timedelta]] = default_pg_timeout,
         cpu_offload: Optional[Union[bool, CPUOffloadPolicy]] = None,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         auto_wrap_policy: Optional[Union[str, list[str], PolicyInput]] = None,
@@ -152,7 +152,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         config = FSDPConfig.from_arguments(**config_arguments(locals()))
-        self._engine = FSDPEngine(config, process_group_backend, timeout)
+        self._engine = FSDPEngine(config, process_group_backend, config.timeout)
         self._background_saves = checkpoint.AsyncSaves()
         self._sharded: Optional[Module] = None
         self.num_nodes = 1

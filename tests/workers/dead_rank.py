@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from common import loss_fn, make_fabric
+from lightning_fsdp.checkpoint.save import sharded_model_state, write_full
 from models import TinyTransformer, make_batch
 
-MODE = os.environ["LFSDP_DEAD_MODE"]  # "die" or "hang"
+MODE = os.environ["LFSDP_DEAD_MODE"]  # "die" or "hang" mid-step, or "die_in_full_load"
 TIMEOUT_S = float(os.environ["LFSDP_DEAD_TIMEOUT"])
 OUT = Path(os.environ["LFSDP_TEST_OUT"])
 
@@ -32,6 +33,9 @@ def main() -> None:
     fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
     opt.step()
     fabric.barrier()
+    if MODE == "die_in_full_load":
+        _die_in_full_load(fabric, model, opt)
+        return
     if fabric.global_rank == 1:
         if MODE == "die":
             os._exit(3)
@@ -45,6 +49,27 @@ def main() -> None:
         fabric.barrier()
     except BaseException as err:  # noqa: BLE001 - any exception is what we want to see
         record = {"raised": type(err).__name__, "message": str(err)[:2000]}
+    _report(record, start)
+
+
+def _die_in_full_load(fabric, model, opt) -> None:
+    """Rank 1 dies inside the full load, where rank 0 waits in the state-dict API's broadcast of the first tensor."""
+    path = Path(fabric.broadcast(str(OUT / "full.pt")))
+    write_full(path, {"model": sharded_model_state(model)}, fabric.strategy._engine)
+    if fabric.global_rank == 1:
+        import lightning_fsdp.checkpoint.load as load
+
+        load.set_model_state_dict = lambda *args, **kwargs: os._exit(3)
+    start = time.monotonic()
+    record = {"raised": None}
+    try:
+        fabric.load(path, {"model": model})
+    except BaseException as err:  # noqa: BLE001 - any exception is what we want to see
+        record = {"raised": type(err).__name__, "message": str(err)[:2000]}
+    _report(record, start)
+
+
+def _report(record: dict, start: float) -> None:
     record["elapsed_s"] = time.monotonic() - start
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"survivor_{MODE}.json").write_text(json.dumps(record))

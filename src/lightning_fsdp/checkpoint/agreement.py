@@ -9,9 +9,9 @@ until the timeout. :func:`together` runs a step on every rank, shares the outcom
 from __future__ import annotations
 
 import builtins
-from typing import Any, Callable, Optional, Protocol, TypeVar
+from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
 
-__all__ = ["Communicator", "CheckpointError", "together"]
+__all__ = ["Communicator", "CheckpointError", "together", "os_error_in"]
 
 T = TypeVar("T")
 
@@ -27,6 +27,10 @@ class Communicator(Protocol):
 
     def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]: ...
 
+    def guard(self, phase: str) -> ContextManager[None]:
+        """Re-raise a collective that fails in the block (a rank died) as the engine's ``CollectiveFailure``."""
+        ...
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be read or written; raised on every rank alike."""
@@ -36,8 +40,8 @@ def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
     """Run ``step`` on this rank; if it fails on any rank, raise on every rank.
 
     Every rank raises the same exception: the failing rank's type when it is a built-in one (so
-    ``except IsADirectoryError`` works everywhere), else ``CheckpointError``; the message says what was being done,
-    which rank failed and why. The failing rank chains its original exception.
+    ``except IsADirectoryError`` works everywhere, and an ``OSError`` keeps its ``errno``), else ``CheckpointError``;
+    the message says what was being done, which rank failed and why. The failing rank chains its original exception.
     """
     result: Optional[T] = None
     mine: Optional[BaseException] = None
@@ -47,15 +51,55 @@ def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
         raise
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         mine = err
-    first = comm.agree(None if mine is None else (type(mine).__name__, _short(str(mine))))
+    first = comm.agree(None if mine is None else _report(mine, comm.global_rank))
     if first is None:
         return result  # type: ignore[return-value]
-    rank, (type_name, message) = first
+    _, (origin, type_name, message, errno) = first
     kind = getattr(builtins, type_name, None)
-    text = f"{what} failed on rank {rank}: {message}"
+    text = f"{what} failed on rank {origin}: {message}"
+    if isinstance(kind, type) and issubclass(kind, OSError) and errno is not None:
+        raise OSError(errno, text) from mine  # OSError picks the subclass for the errno (FileNotFoundError, ...)
     if isinstance(kind, type) and issubclass(kind, Exception) and kind is not RuntimeError:
         raise kind(text) from mine
     raise CheckpointError(f"{text} ({type_name})") from mine
+
+
+def _report(err: BaseException, rank: int) -> tuple[int, str, str, Optional[int]]:
+    """What every rank needs to raise this rank's error: the rank where it started, the type, the message and the
+    errno.
+
+    Two kinds of errors hide their origin. DCP gathers the errors of a save or load itself and raises one
+    ``CheckpointException`` on every rank, holding each failing rank's exception: the rank that failed is the first
+    key there, not the rank reporting. And a failed write (disk full) often surfaces as a ``RuntimeError`` from a C++
+    writer whose ``__context__`` is the ``OSError`` that says what happened: that one is reported.
+    """
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        wrapped = failures[rank]
+        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    cause = os_error_in(err)
+    if cause is not None:
+        err = cause
+    if isinstance(err, OSError) and err.errno is not None and err.strerror:
+        # Without the "[Errno N]" prefix: the OSError raised on every rank adds it once.
+        message = err.strerror + (f": {str(err.filename)!r}" if err.filename else "")
+        return rank, type(err).__name__, _short(message), err.errno
+    # str() of a KeyError is the repr of its message; the KeyError raised on every rank adds that once.
+    message = err.args[0] if isinstance(err, KeyError) and len(err.args) == 1 else str(err)
+    return rank, type(err).__name__, _short(str(message)), None
+
+
+def os_error_in(err: BaseException) -> Optional[OSError]:
+    """The first ``OSError`` with an errno in ``err``'s chain of causes and contexts (``err`` itself included)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _short(message: str, limit: int = 1500) -> str:

@@ -7,6 +7,11 @@ one filesystem and is atomic). Only a complete staging copy is moved into place:
 - anything else (a directory, or a file replacing a directory) first renames the old checkpoint to a backup name,
   then renames the new one into place, then deletes the backup. A crash between the two renames leaves the old
   checkpoint whole under the backup name, and :func:`recover` puts it back.
+
+A checkpoint path that is a symbolic link (``last`` -> ``step-1000``) stands for what it points to
+(:func:`resolve`): a save replaces the checkpoint the link points to and keeps the link, a load reads it. Renaming
+onto the link itself would replace the link with a directory, and the old checkpoint would stay behind under its
+own name.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from lightning_fsdp.checkpoint.layout import foreign_entries, is_full_checkpoint
 
 STAGING_SUFFIX = ".staging"
 BACKUP_SUFFIX = ".previous"
+
+
+def resolve(path: Path) -> Path:
+    """The path a save writes to and a load reads from: a symbolic link (a chain of them too) is followed."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def staging_path(target: Path, token: str) -> Path:
@@ -93,7 +103,7 @@ def discard(staged: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
         path.unlink()

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
 
-__all__ = ["write_full_checkpoint", "write_streaming"]
+__all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
 
 
 def write_full_checkpoint(path: Path, obj: Any, *, is_writer: bool) -> None:
@@ -51,32 +51,60 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
     error: Optional[BaseException] = None
     try:
-        archive = open_zipfile_writer(str(path))
-    except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or no permission
+        stream = open(path, "wb")  # noqa: SIM115 - closed below on every path
+    except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or a read-only filesystem
         for tensor in tensors:
             materialize(tensor)
         raise
-    with archive as writer:
-        try:
-            data = io.BytesIO()
-            _Pickler(data, protocol=2).dump(skeleton)
-            payload = data.getvalue()
-            writer.write_record("data.pkl", payload, len(payload))
-            for name, value in ((".format_version", "1"), ("byteorder", sys.byteorder)):
-                writer.write_record(name, value, len(value))
-        except Exception as err:  # noqa: BLE001 - re-raised below
-            error = err
-        for key, tensor in enumerate(tensors):
-            value = materialize(tensor)
-            if error is not None:
-                continue
+    # The archive goes through a Python file object, not a path: a failed write then surfaces as the OSError that
+    # says why (torch's writer raises "unexpected pos" with the OSError as its context), and the file is closed on
+    # every exit, so a failed save's deleted staging file does not keep its disk space until the process ends.
+    try:
+        with open_zipfile_writer(stream) as writer:
             try:
-                _write_tensor(writer, key, value, declared=tensor)
+                data = io.BytesIO()
+                _Pickler(data, protocol=2).dump(skeleton)
+                payload = data.getvalue()
+                writer.write_record("data.pkl", payload, len(payload))
+                for name, value in ((".format_version", "1"), ("byteorder", sys.byteorder)):
+                    writer.write_record(name, value, len(value))
             except Exception as err:  # noqa: BLE001 - re-raised below
                 error = err
-            del value  # free before the next tensor is produced
+            for key, tensor in enumerate(tensors):
+                value = materialize(tensor)
+                if error is not None:
+                    continue
+                try:
+                    _write_tensor(writer, key, value, declared=tensor)
+                except Exception as err:  # noqa: BLE001 - re-raised below
+                    error = err
+                del value  # free before the next tensor is produced
+    except Exception as err:  # noqa: BLE001 - closing the archive failed (the first error wins)
+        error = error or err
+    finally:
+        try:
+            stream.close()
+        except Exception as err:  # noqa: BLE001 - the final flush failed
+            error = error or err
     if error is not None:
-        raise error
+        _raise_explained(error, path)
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` through a file object, so a failed write raises the OSError that says why, naming ``path``."""
+    try:
+        with open(path, "wb") as stream:
+            torch.save(obj, stream)
+    except Exception as err:  # noqa: BLE001
+        _raise_explained(err, path)
+
+
+def _raise_explained(error: BaseException, path: Path) -> None:
+    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``."""
+    cause = error if isinstance(error, OSError) else error.__context__
+    if isinstance(cause, OSError) and cause.errno is not None:
+        raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
+    raise error
 
 
 def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> None:

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.checkpoint import atomic, checksums
 from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint import fit
 from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.lightning_layouts import (
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -51,8 +52,20 @@ def load_checkpoint(
     weights_only: Optional[bool] = None,
     comm: Communicator,
 ) -> dict[str, Any]:
-    """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys."""
-    source = Path(comm.broadcast(str(path)))
+    """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys.
+
+    A symlinked ``path`` reads the checkpoint it points to. A rank that dies during the load is reported on the
+    others as a ``CollectiveFailure``, like everywhere else.
+    """
+    with comm.guard(f"loading the checkpoint {str(path)!r}"):
+        return _load(path, state, strict, weights_only, comm)
+
+
+def _load(
+    path: Union[str, Path], state: Union[Module, Optimizer, dict[str, Any]], strict: bool,
+    weights_only: Optional[bool], comm: Communicator,
+) -> dict[str, Any]:
+    source = Path(comm.broadcast(str(atomic.resolve(Path(path)))))
     weights_only = True if weights_only is None else weights_only
     if comm.global_rank == 0:
         atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
@@ -89,7 +102,7 @@ def checkpoint_keys(path: Union[str, Path], *, weights_only: Optional[bool] = No
         if _detect(source):
             meta_file = source / METADATA_FILENAME
             metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-            return _dcp_top_level_keys(source) | set(metadata)
+            return _dcp_top_level_keys(source, weights_only) | set(metadata)
         contents = _torch_load(source, weights_only)  # memory-mapped: the tensors are not read
         return set(contents) if isinstance(contents, dict) else set()
 
@@ -118,13 +131,14 @@ def _load_sharded(
 ) -> dict[str, Any]:
     meta_file = source / METADATA_FILENAME
 
-    def read_metadata() -> tuple[dict[str, Any], set[str]]:
+    def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any]]:
         if meta_file.is_file():
             checksums.verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-        return metadata, set(_dcp_top_level_keys(source, weights_only)) | set(metadata)
+        entries = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only).state_dict_metadata
+        return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries
 
-    metadata, available = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
+    metadata, available, entries = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
     together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, weights_only))
     # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
     where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
@@ -133,6 +147,12 @@ def _load_sharded(
     for key, optimizer in split.optimizers.items():
         if where[key] in available:
             tensors[where[key]] = get_optimizer_state_dict(split.owners[key], optimizer)
+    # DCP itself would ignore entries the checkpoint has and the model lacks, even under `strict`.
+    models = {k: (fit.model_shapes(tensors[where[k]]), fit.sharded_tables(entries, where[k] + ".", False))
+              for k in split.models if where[k] in tensors}
+    optimizers = {k: (tensors[where[k]], fit.sharded_tables(entries, where[k] + ".", True))
+                  for k in split.optimizers if where[k] in tensors}
+    together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
     # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads.
     reader = checksums.VerifyingReader(source, allow_pickle=not weights_only)
@@ -180,13 +200,20 @@ def _load_full(
                     entry = fqn_keyed_optimizer_state(entry, _param_names(split.owners[key], split.optimizers[key]))
                 entries[key] = entry
         used = set(split.models) | set(split.optimizers) | checkpoint_keys_used(mapping)
-        return list(entries), {k: v for k, v in contents.items() if k not in used}
+        tables = {k: fit.checkpoint_shapes(v) if k in split.models else fit.saved_state_names(v) for k, v in entries.items()}
+        return list(entries), {k: v for k, v in contents.items() if k not in used}, tables
 
     # Errors on rank 0 (e.g. an optimizer state that does not fit the optimizer) must reach every rank, or the
     # others would wait in the state-dict API's broadcast.
     located = together(comm, f"Reading {str(source)!r}", lambda: locate() if comm.global_rank == 0 else None)
-    found, metadata = comm.broadcast(located)
+    found, metadata, tables = comm.broadcast(located)
     _check_requested(state, [*found, *metadata], strict)
+    # Checked on every rank from rank 0's tables, before the state-dict API's broadcasts: a mismatch found there
+    # would raise on rank 0 alone (and as an anonymous size error for a shape).
+    models = {k: (fit.model_shapes(get_model_state_dict(m)), tables[k]) for k, m in split.models.items() if k in found}
+    optimizers = {k: (get_optimizer_state_dict(split.owners[k], o), tables[k])
+                  for k, o in split.optimizers.items() if k in found}
+    together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     for key, module in split.models.items():
         if key in found:

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from lightning_fsdp.checkpoint import atomic
 from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
 from lightning_fsdp.checkpoint.agreement import Communicator, together
-from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint
+from lightning_fsdp.checkpoint.full_writer import save_file, write_full_checkpoint
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
@@ -78,19 +78,32 @@ def write_sharded(
 
     The building block of :func:`save_checkpoint`, also for fronts whose checkpoints have a layout of their own.
     """
+    with comm.guard(f"saving the checkpoint {str(path)!r}"):
+        return _write_sharded(path, tensors, metadata, comm, background)
+
+
+def _write_sharded(
+    path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any], comm: Communicator,
+    background: Optional[AsyncSaves],
+) -> Path:
     target, staged = _prepare(path, comm)
     writer = _checksum_writer(staged, comm)
     if background is not None:
         background.start(tensors, metadata, staged, target, comm, writer=writer)
         return target
 
-    def write() -> None:
+    def make_staging() -> None:
         if comm.global_rank == 0:
             staged.mkdir(parents=True)
-        comm.barrier()
+
+    # Its own agreed step, not a barrier: a rank-0 failure here (a read-only filesystem) must reach the others now,
+    # not after they waited out the process group's timeout in the barrier.
+    together(comm, f"Creating the staging directory for {str(target)!r}", make_staging)
+
+    def write() -> None:
         dcp.save(tensors, checkpoint_id=staged, storage_writer=writer)
         if comm.global_rank == 0:
-            torch.save(metadata, staged / METADATA_FILENAME)
+            save_file(metadata, staged / METADATA_FILENAME)
             atomic.fsync_tree(staged)
 
     _write_then_commit(write, staged, target, comm)
@@ -100,6 +113,11 @@ def write_sharded(
 def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
     """Write ``obj`` as one ``torch.save`` file from rank 0, gathering DTensors one at a time as they are written,
     so rank 0 never holds the whole model (:mod:`.full_writer`)."""
+    with comm.guard(f"saving the checkpoint {str(path)!r}"):
+        return _write_full(path, obj, comm)
+
+
+def _write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
     target, staged = _prepare(path, comm)
 
     def write() -> None:
@@ -112,7 +130,8 @@ def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
 
 
 def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
-    target = Path(comm.broadcast(str(path)))
+    # Through a symlink, the save replaces the checkpoint the link points to and keeps the link (see `atomic`).
+    target = Path(comm.broadcast(str(atomic.resolve(Path(path)))))
 
     def check() -> None:
         atomic.check_replaceable(target)
@@ -131,9 +150,9 @@ def _checksum_writer(staged: Path, comm: Communicator) -> ChecksumWriter:
 def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
     try:
         together(comm, f"Writing the checkpoint {str(target)!r}", write)
-        if comm.global_rank == 0:
-            atomic.commit(staged, target)
-        comm.barrier()
+        # Rank 0 alone moves the checkpoint into place; its failure is agreed, so no rank returns as if saved.
+        together(comm, f"Moving the checkpoint into place at {str(target)!r}",
+                 lambda: atomic.commit(staged, target) if comm.global_rank == 0 else None)
     except BaseException:
         if comm.global_rank == 0:
             atomic.discard(staged)
@@ -203,7 +222,7 @@ class AsyncSaves:
         def prepare() -> None:
             if comm.global_rank == 0:
                 staged.mkdir(parents=True)
-                torch.save(metadata, staged / METADATA_FILENAME)
+                save_file(metadata, staged / METADATA_FILENAME)
 
         together(comm, f"Preparing the background save of {str(target)!r}", prepare)
         future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group)

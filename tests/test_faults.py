@@ -1,0 +1,120 @@
+"""Save/load failures raise on every rank, promptly, naming cause, path and failing rank (``workers/faults.py``,
+2 ranks, process-group timeout 20 s); the CLI turns filesystem failures into one line; ``timeout`` is checked at
+construction."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from launch import launch
+
+CASES = [
+    "strict_key_mismatch_raises_on_every_rank_in_both_formats",
+    "shape_mismatch_names_the_tensor_in_both_formats",
+    "save_onto_a_read_only_filesystem_fails_everywhere_promptly",
+    "save_onto_a_full_disk_says_so_and_frees_the_space",
+    "a_write_that_fails_on_rank_1_only_names_rank_1",
+    "saving_and_loading_through_a_symlink",
+    "a_nan_gradient_on_one_rank_raises_everywhere_for_every_norm_type",
+    "make_cli_input",
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("faults.py", 2, tmp_path_factory.mktemp("faults"), LFSDP_TEST_PG_TIMEOUT="20")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(results, name):
+    details = results.check(name)
+    skipped = [d["skipped"] for d in details if isinstance(d, dict) and "skipped" in d]
+    if skipped:
+        pytest.skip(skipped[0])
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+@pytest.fixture()
+def mount(tmp_path):
+    """Mount a tmpfs at a fresh directory; ``mount(size, read_only)`` returns it. Unmounted afterwards."""
+    mounted = []
+
+    def make(size: str, read_only: bool = False) -> Path:
+        where = tmp_path / f"mnt{len(mounted)}"
+        where.mkdir()
+        run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+        if run.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+        mounted.append(where)
+        if read_only:
+            run = subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True, text=True)
+            if run.returncode:
+                pytest.skip(f"cannot remount read-only: {run.stderr.strip()}")
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _digest(path: Path) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _convert(src: Path, dst: Path, to: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_fsdp", "convert", str(src), str(dst), "--to", to],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("fault", ["read_only", "full_disk"])
+@pytest.mark.parametrize("to", ["full", "sharded"])
+def test_cli_convert_fault_is_one_line_and_leaves_nothing(results, mount, fault, to):
+    results.check("make_cli_input")
+    src = results.out / ("cli_src" if to == "full" else "cli_src.pt")
+    before = _digest(src)
+    where = mount("8k" if fault == "full_disk" else "1m", read_only=fault == "read_only")
+    free = os.statvfs(where).f_bavail
+    run = _convert(src, where / "out", to)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, (run.returncode, run.stderr[-3000:])
+    cause = "read-only file system" if fault == "read_only" else "no space left on device"
+    assert cause in lines[0].lower() and str(where) in lines[0] and "HINT:" in lines[0], lines[0]
+    assert _digest(src) == before, "the input changed"
+    assert list(where.iterdir()) == [], f"partial output left behind: {list(where.iterdir())}"
+    assert os.statvfs(where).f_bavail == free, "the failed conversion still holds disk space"
+
+
+# -------------------------------------------------------------------------------------------------------- timeout
+
+
+@pytest.mark.parametrize("front", ["fabric", "trainer"])
+def test_timeout_accepts_seconds_and_timedelta_and_refuses_the_rest(front):
+    if front == "fabric":
+        from lightning_fsdp.fabric import FSDPStrategy
+    else:
+        from lightning_fsdp.trainer import FSDPStrategy
+    assert FSDPStrategy(timeout=30).config.timeout == timedelta(seconds=30)
+    assert FSDPStrategy(timeout=2.5).config.timeout == timedelta(seconds=2.5)
+    assert FSDPStrategy(timeout=timedelta(minutes=1)).config.timeout == timedelta(minutes=1)
+    assert FSDPStrategy(timeout=None).config.timeout is None
+    for bad, kind in (("30", TypeError), (True, TypeError), ([30], TypeError), (0, ValueError), (-1.0, ValueError),
+                      (float("inf"), ValueError), (float("nan"), ValueError), (timedelta(0), ValueError)):
+        with pytest.raises(kind) as info:
+            FSDPStrategy(timeout=bad)
+        message = str(info.value)
+        assert f"Invalid `timeout={bad!r}`" in message and "number of seconds" in message and "HINT:" in message, message

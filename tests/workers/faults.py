@@ -1,0 +1,371 @@
+"""Two-rank fault injection: every save/load failure raises on every rank, promptly, naming cause, path and rank.
+
+Each case asserts, on every rank: the same exception type and message on all ranks, the cause, the path and the
+failing rank in the message, that it came well under the process group's timeout (``LFSDP_TEST_PG_TIMEOUT``, set
+to 20 s by ``tests/test_faults.py``), and that the previous checkpoint still loads exactly into a fresh model and
+optimizer. Full and read-only filesystems are small tmpfs mounts made by rank 0; a case records ``skipped`` with
+the reason where mounting is not allowed, and the pytest side reports it as a skip.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.filesystem as dcp_fs
+
+from common import full, full_params, loss_fn, make_fabric
+from harness import TIMEOUT, case, run_cases
+from models import TinyTransformer, make_batch
+
+WORLD = 2
+PROMPT_S = 10.0
+OUT = Path(os.environ["LFSDP_TEST_OUT"])
+
+
+class Skip(Exception):
+    pass
+
+
+def _setup(fabric, seed=0, **model_kwargs):
+    torch.manual_seed(seed)
+    plain = TinyTransformer(**model_kwargs)
+    return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+
+
+def _train(fabric, model, opt, steps=1, start=0):
+    for step in range(start, start + steps):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+
+
+def _opt_state(opt) -> dict:
+    return {(i, k): full(v).clone() for i, per in opt.state_dict()["state"].items() for k, v in per.items()
+            if torch.is_tensor(v)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _dir(fabric) -> Path:
+    return Path(fabric.broadcast(tempfile.mkdtemp()))
+
+
+@contextmanager
+def _tmpfs(fabric, size: str):
+    """A tmpfs of ``size`` mounted by rank 0 for the block (unmounted afterwards), or :class:`Skip`."""
+    where = _dir(fabric)
+    error = None
+    if fabric.global_rank == 0:
+        run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+        error = None if run.returncode == 0 else f"cannot mount a tmpfs here: {run.stderr.strip() or run.returncode}"
+    error = fabric.broadcast(error)
+    if error:
+        raise Skip(error)
+    try:
+        yield where
+    finally:
+        fabric.barrier()
+        if fabric.global_rank == 0:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _remount_read_only(fabric, where: Path) -> None:
+    error = None
+    if fabric.global_rank == 0:
+        run = subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True, text=True)
+        error = None if run.returncode == 0 else f"cannot remount read-only: {run.stderr.strip()}"
+    error = fabric.broadcast(error)
+    if error:
+        raise Skip(error)
+
+
+def _free_blocks(path: Path) -> int:
+    return os.statvfs(path).f_bavail
+
+
+def _fails_everywhere(call, kind, *fragments: str) -> dict:
+    """Run ``call`` on every rank; it must raise ``kind`` within PROMPT_S on every rank, with the same message
+    everywhere, holding every fragment."""
+    start = time.monotonic()
+    outcome = None
+    try:
+        call()
+    except BaseException as err:  # noqa: BLE001 - any exception is recorded and checked below
+        outcome = (type(err).__name__, str(err), isinstance(err, kind))
+    elapsed = time.monotonic() - start
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, outcome)
+    assert all(o is not None for o in everyone), f"not every rank raised: {everyone}"
+    name, message, is_kind = outcome
+    assert is_kind, f"expected {kind.__name__}, got {name}: {message}"
+    assert all(o[:2] == everyone[0][:2] for o in everyone), f"ranks raised different errors: {everyone}"
+    for fragment in fragments:
+        assert fragment.lower() in message.lower(), f"{fragment!r} not in: {message}"
+    assert elapsed < PROMPT_S, f"took {elapsed:.1f} s (process-group timeout {TIMEOUT}): {message}"
+    return {"type": name, "message": message[:400], "elapsed_s": round(elapsed, 2)}
+
+
+def _loads_exactly(fabric, path: Path, params: dict, opt_state: dict, **model_kwargs) -> None:
+    model, opt = _setup(fabric, seed=7, **model_kwargs)
+    fabric.load(path, {"model": model, "optimizer": opt})
+    assert _same(params, full_params(model)), f"the previous checkpoint {path} does not load exactly"
+    assert _same(opt_state, _opt_state(opt)), f"the previous checkpoint's optimizer state {path} differs"
+
+
+def _skippable(fn):
+    def run():
+        try:
+            return fn()
+        except Skip as reason:
+            return {"skipped": str(reason)}
+
+    run.__name__ = fn.__name__
+    return case(run)
+
+
+# --------------------------------------------------------------------------------------------- key and shape checks
+
+
+class WithExtra(TinyTransformer):
+    """TinyTransformer plus one more layer: the same keys, and two more."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.extra = torch.nn.Linear(4, 4)
+
+
+def _setup_model(fabric, cls, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    plain = cls(**kwargs)
+    return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+
+
+@case
+def strict_key_mismatch_raises_on_every_rank_in_both_formats():
+    report = {}
+    for kind in ("sharded", "full"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        root = _dir(fabric)
+        big, big_opt = _setup_model(fabric, WithExtra)
+        _train(fabric, big, big_opt, steps=1)
+        fabric.save(root / "extra", {"model": big, "optimizer": big_opt})
+        small, small_opt = _setup_model(fabric, TinyTransformer)
+        _train(fabric, small, small_opt, steps=1)
+        fabric.save(root / "plain", {"model": small, "optimizer": small_opt})
+        params, opt_state = full_params(small), _opt_state(small_opt)
+
+        fresh, fresh_opt = _setup_model(fabric, TinyTransformer, seed=3)
+        report[f"{kind}_unexpected"] = _fails_everywhere(
+            lambda: fabric.load(root / "extra", {"model": fresh, "optimizer": fresh_opt}), KeyError,
+            "'extra.bias', 'extra.weight'", "in the checkpoint but not in the model", str(root / "extra"),
+            "strict=False", "rank 0",
+        )
+        bigger, bigger_opt = _setup_model(fabric, WithExtra, seed=3)
+        report[f"{kind}_missing"] = _fails_everywhere(
+            lambda: fabric.load(root / "plain", {"model": bigger, "optimizer": bigger_opt}), KeyError,
+            "missing from the checkpoint: 2 ('extra.bias', 'extra.weight')", str(root / "plain"), "strict=False",
+        )
+        # The optimizer's names count too: the same model, an optimizer over only some of its parameters.
+        torch.manual_seed(3)
+        plain = TinyTransformer()
+        part, part_opt = fabric.setup(plain, torch.optim.AdamW(plain.head.parameters(), lr=1e-2))
+        report[f"{kind}_optimizer"] = _fails_everywhere(
+            lambda: fabric.load(root / "plain", {"model": part, "optimizer": part_opt}), KeyError,
+            "the optimizer 'optimizer'", "in the checkpoint but not in the optimizer", "strict=False",
+        )
+        # Nothing was changed by the refused loads: the checkpoint still loads, and strict=False loads what fits.
+        _loads_exactly(fabric, root / "plain", params, opt_state)
+        model, _ = _setup_model(fabric, TinyTransformer, seed=5)
+        fabric.load(root / "extra", {"model": model}, strict=False)
+        expected = {k: v for k, v in full_params(big).items() if not k.startswith("extra.")}
+        assert _same(expected, full_params(model)), f"{kind}: strict=False did not load the matching keys"
+    return report
+
+
+@case
+def shape_mismatch_names_the_tensor_in_both_formats():
+    report = {}
+    for kind in ("sharded", "full"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        path = _dir(fabric) / "ckpt"
+        model, opt = _setup_model(fabric, TinyTransformer, vocab=40)
+        fabric.backward(model(make_batch(0, fabric.global_rank)[:, :-1]).float().pow(2).mean())  # optimizer state
+        opt.step()
+        fabric.save(path, {"model": model, "optimizer": opt})
+        params, opt_state = full_params(model), _opt_state(opt)
+        other, other_opt = _setup_model(fabric, TinyTransformer, seed=2)
+        for strict in (True, False):
+            report[f"{kind}_strict_{strict}"] = _fails_everywhere(
+                lambda: fabric.load(path, {"model": other, "optimizer": other_opt}, strict=strict), ValueError,
+                "'embed.weight'", "[40, 16] in the checkpoint", "[32, 16] in the model", str(path),
+            )
+        _loads_exactly(fabric, path, params, opt_state, vocab=40)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ filesystem faults
+
+
+def _saver(kind: str):
+    return dict(state_dict_type="full") if kind == "full" else dict(async_save=kind == "async")
+
+
+def _save_and_wait(fabric, path, state):
+    fabric.save(path, state)
+    fabric.strategy._background_saves.wait(fabric.strategy._engine)  # an async save's error surfaces here
+
+
+@_skippable
+def save_onto_a_read_only_filesystem_fails_everywhere_promptly():
+    report = {}
+    for kind in ("sharded", "full", "async"):
+        fabric = make_fabric(WORLD, **_saver(kind))
+        with _tmpfs(fabric, "8m") as mount:
+            path = mount / "ckpt"
+            model, opt = _setup(fabric)
+            _train(fabric, model, opt, steps=1)
+            _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
+            params, opt_state = full_params(model), _opt_state(opt)
+            _train(fabric, model, opt, steps=1, start=1)
+            _remount_read_only(fabric, mount)
+            report[kind] = _fails_everywhere(
+                lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
+                "read-only file system", str(path), "failed on rank 0",
+            )
+            _loads_exactly(fabric, path, params, opt_state)
+    return report
+
+
+@_skippable
+def save_onto_a_full_disk_says_so_and_frees_the_space():
+    report = {}
+    for kind in ("sharded", "full", "async"):
+        fabric = make_fabric(WORLD, **_saver(kind))
+        with _tmpfs(fabric, "2m") as mount:  # one checkpoint of this model (~1.3 MB) fits, two do not
+            path = mount / "ckpt"
+            model, opt = _setup(fabric, dim=64)
+            _train(fabric, model, opt, steps=1)
+            _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
+            params, opt_state = full_params(model), _opt_state(opt)
+            _train(fabric, model, opt, steps=1, start=1)
+            free_before = fabric.broadcast(_free_blocks(mount))
+            report[kind] = _fails_everywhere(
+                lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
+                "no space left on device", str(path), "failed on rank ",
+            )
+            fabric.barrier()
+            free_after = _free_blocks(mount)
+            assert free_after == free_before, f"{kind}: {free_before - free_after} blocks still in use after the failure"
+            assert sorted(p.name for p in mount.iterdir()) == ["ckpt"], list(mount.iterdir())
+            _loads_exactly(fabric, path, params, opt_state, dim=64)
+    return report
+
+
+@case
+def a_write_that_fails_on_rank_1_only_names_rank_1():
+    fabric = make_fabric(WORLD)
+    path = _dir(fabric) / "ckpt"
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt, steps=1)
+    fabric.save(path, {"model": model, "optimizer": opt})
+    params, opt_state = full_params(model), _opt_state(opt)
+    _train(fabric, model, opt, steps=1, start=1)
+    original = dcp_fs.FileSystemWriter.write_data
+
+    def broken(self, plan, planner):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    if fabric.global_rank == 1:
+        dcp_fs.FileSystemWriter.write_data = broken
+    try:
+        report = _fails_everywhere(lambda: fabric.save(path, {"model": model, "optimizer": opt}), OSError,
+                                   "failed on rank 1", "Input/output error (injected)", str(path))
+    finally:
+        dcp_fs.FileSystemWriter.write_data = original
+    _loads_exactly(fabric, path, params, opt_state)
+    return report
+
+
+@case
+def saving_and_loading_through_a_symlink():
+    """A save through ``last`` -> ``step-1`` replaces step-1 and keeps the link; a load follows the link."""
+    report = {}
+    for kind in ("sharded", "full"):
+        fabric = make_fabric(WORLD, state_dict_type=kind)
+        root = _dir(fabric)
+        model, opt = _setup(fabric)
+        fabric.save(root / "step-1", {"model": model, "optimizer": opt})
+        if fabric.global_rank == 0:
+            (root / "last").symlink_to("step-1")
+        fabric.barrier()
+        _train(fabric, model, opt, steps=1)
+        start = time.monotonic()
+        fabric.save(root / "last", {"model": model, "optimizer": opt})
+        report[kind] = round(time.monotonic() - start, 2)
+        fabric.barrier()
+        assert (root / "last").is_symlink() and os.readlink(root / "last") == "step-1", "the link was replaced"
+        assert sorted(p.name for p in root.iterdir()) == ["last", "step-1"], sorted(root.iterdir())
+        params, opt_state = full_params(model), _opt_state(opt)
+        _loads_exactly(fabric, root / "last", params, opt_state)
+        _loads_exactly(fabric, root / "step-1", params, opt_state)
+    return report
+
+
+# -------------------------------------------------------------------------------------------------------- gradients
+
+
+@case
+def a_nan_gradient_on_one_rank_raises_everywhere_for_every_norm_type():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    report = {}
+    for norm_type in (math.inf, 2.0):
+        _train_grads(fabric, model)
+        if fabric.global_rank == 1:
+            grad = model.head.weight.grad.to_local()
+            grad.view(-1)[0] = float("nan")
+        report[str(norm_type)] = _fails_everywhere(
+            lambda: fabric.clip_gradients(model, opt, max_norm=1.0, norm_type=norm_type, error_if_nonfinite=True),
+            RuntimeError, "non-finite",
+        )
+        opt.zero_grad()
+    # Finite gradients: the inf norm is the single-process one.
+    _train_grads(fabric, model)
+    got = fabric.clip_gradients(model, opt, max_norm=1e9, norm_type=math.inf).item()
+    expected = max(p.grad.full_tensor().abs().max().item() for p in model.parameters() if p.grad is not None)
+    assert got == expected, (got, expected)
+    return report
+
+
+def _train_grads(fabric, model):
+    fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
+
+
+# ------------------------------------------------------------------------------------------------------- CLI input
+
+
+@case
+def make_cli_input():
+    """A small sharded checkpoint for the CLI fault tests on the pytest side."""
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt, steps=1)
+    fabric.save(OUT / "cli_src", {"model": model, "optimizer": opt, "step": 1})
+    make_fabric(WORLD, state_dict_type="full").save(OUT / "cli_src.pt", {"model": model, "optimizer": opt, "step": 1})
+    return "ok"
+
+
+if __name__ == "__main__":
+    run_cases()
