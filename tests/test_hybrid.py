@@ -13,6 +13,7 @@ CASES = [
     "parity_no_shard_four_ranks",
     "hybrid_accumulation_in_both_no_sync_modes",
     "meta_init_replicas_agree_and_shards_differ",
+    "no_grad_forward_before_each_step_hybrid_zero2",
     "ranks_seeded_differently_start_from_rank0_hybrid",
 ]
 

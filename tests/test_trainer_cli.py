@@ -110,7 +110,9 @@ def test_cli_trains_from_a_config_on_two_processes(tmp_path):
     assert "FSDP units: 4 x TransformerEncoderLayer + root (TinyGPT) on mesh (shard=2)" in log, log[-3000:]
     last = next(tmp_path.rglob("last.ckpt"))
     # A sharded checkpoint from both ranks, after the 6 steps asked for on the command line.
-    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in last.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"
+    ]
     meta = torch.load(last / "meta.pt", weights_only=True)
     assert meta["global_step"] == 6 and meta["hyper_parameters"]["layers"] == 4
 

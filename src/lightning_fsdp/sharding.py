@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
@@ -239,6 +240,8 @@ def broadcast_module_state(module: nn.Module, device: torch.device, *, buffers_o
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
+    # Parameters of units the user sharded before setup are already per-rank shards: nothing to agree on there.
+    tensors = [t for t in tensors if not isinstance(t, DTensor)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)

@@ -94,6 +94,28 @@ def meta_init_replicas_agree_and_shards_differ():
 
 
 @case
+def no_grad_forward_before_each_step_hybrid_zero2():
+    # Under _HYBRID_SHARD_ZERO2 every unit stays gathered after forward; a logging forward under no_grad between
+    # backward and step must not leave them so.
+    from common import global_batch, loss_fn, max_param_diff, model_and_reference
+    from models import make_batch
+
+    fabric = _fabric(sharding_strategy="_HYBRID_SHARD_ZERO2", **MESH)
+    model, opt, reference, ref_opt = model_and_reference(fabric)
+    for step in range(3):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        with torch.no_grad():
+            loss_fn(model, make_batch(50 + step, fabric.global_rank))
+        assert all(isinstance(p, DTensor) for p in model.parameters()), "units left gathered after a no_grad forward"
+        opt.step()
+        opt.zero_grad()
+        loss_fn(reference, global_batch(step, WORLD)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"param_diff": max_param_diff(model, reference, 1e-5)}
+
+
+@case
 def ranks_seeded_differently_start_from_rank0_hybrid():
     # Every rank builds its own model (another seed, another buffer); after setup each holds rank 0's, replicas
     # included, and training matches a reference that starts from rank 0's model.
