@@ -151,3 +151,18 @@ def accumulate_three_micro_batches(fabric: Fabric, atol: float, label: str = "")
     opt.step()
     ref_opt.step()
     return max(diff, max_param_diff(model, reference, atol, label))
+
+
+def train_side_by_side(fabric: Fabric, model, opt, reference: nn.Module, ref_opt, steps: int,
+                       between: Optional[Callable[[int], None]] = None) -> None:
+    """``steps`` plain steps of the set-up model on each rank's batch and of the reference on the global batch;
+    ``between(step)`` runs after the backward and before the step (a grad-free forward, say)."""
+    for step in range(steps):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        if between is not None:
+            between(step)
+        opt.step()
+        opt.zero_grad()
+        loss_fn(reference, global_batch(step, fabric.world_size)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()

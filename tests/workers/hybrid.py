@@ -97,21 +97,18 @@ def meta_init_replicas_agree_and_shards_differ():
 def no_grad_forward_before_each_step_hybrid_zero2():
     # Under _HYBRID_SHARD_ZERO2 every unit stays gathered after forward; a logging forward under no_grad between
     # backward and step must not leave them so.
-    from common import global_batch, loss_fn, max_param_diff, model_and_reference
+    from common import loss_fn, max_param_diff, model_and_reference, train_side_by_side
     from models import make_batch
 
     fabric = _fabric(sharding_strategy="_HYBRID_SHARD_ZERO2", **MESH)
     model, opt, reference, ref_opt = model_and_reference(fabric)
-    for step in range(3):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+
+    def logging_forward(step: int) -> None:
         with torch.no_grad():
             loss_fn(model, make_batch(50 + step, fabric.global_rank))
         assert all(isinstance(p, DTensor) for p in model.parameters()), "units left gathered after a no_grad forward"
-        opt.step()
-        opt.zero_grad()
-        loss_fn(reference, global_batch(step, WORLD)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+
+    train_side_by_side(fabric, model, opt, reference, ref_opt, 3, between=logging_forward)
     return {"param_diff": max_param_diff(model, reference, 1e-5)}
 
 
@@ -121,8 +118,7 @@ def ranks_seeded_differently_start_from_rank0_hybrid():
     # included, and training matches a reference that starts from rank 0's model.
     import torch.distributed as dist
 
-    from common import global_batch, loss_fn, max_param_diff
-    from models import make_batch
+    from common import max_param_diff, train_side_by_side
 
     fabric = _fabric(sharding_strategy="HYBRID_SHARD", **MESH)
     torch.manual_seed(1234 + 17 * fabric.global_rank)
@@ -139,14 +135,7 @@ def ranks_seeded_differently_start_from_rank0_hybrid():
     reference.register_buffer("scale", expected["scale"].clone())
     reference.embed.register_forward_hook(lambda m, a, out: out * reference.scale)
     reference.load_state_dict({k: v for k, v in expected.items() if k != "scale"}, strict=False)
-    ref_opt = sgd(reference)
-    for step in range(3):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-        opt.step()
-        opt.zero_grad()
-        loss_fn(reference, global_batch(step, WORLD)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(fabric, model, opt, reference, sgd(reference), 3)
     return {"param_diff": max_param_diff(model, reference, 1e-5)}
 
 

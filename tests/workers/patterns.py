@@ -16,7 +16,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from common import full, global_batch, loss_fn, make_fabric, max_param_diff, model_and_reference, sgd
+from common import (
+    full,
+    global_batch,
+    loss_fn,
+    make_fabric,
+    max_param_diff,
+    model_and_reference,
+    sgd,
+    train_side_by_side,
+)
 from harness import assert_close, case, rank, run_cases
 from lightning_fsdp._compat import CheckpointWrapper
 from models import Block, TinyTransformer, make_batch
@@ -240,14 +249,7 @@ def _optimizer_after_forward(label: str, grad_enabled: bool) -> dict:
     opt = fabric.setup_optimizers(sgd(model))
     held = [p for group in opt.param_groups for p in group["params"]]
     assert all(isinstance(p, DTensor) for p in held), "the optimizer was given gathered tensors, not the shards"
-    ref_opt = sgd(reference)
-    for step in range(STEPS):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-        opt.step()
-        opt.zero_grad()
-        loss_fn(reference, global_batch(step, WORLD)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(fabric, model, opt, reference, sgd(reference), STEPS)
     return {"param_diff": max_param_diff(model, reference, ATOL)}
 
 
@@ -348,14 +350,7 @@ def _seeded_by_rank(label: str) -> dict:
     with torch.no_grad():
         for name, t in [*reference.named_parameters(), *reference.named_buffers()]:
             t.copy_(expected[name])
-    ref_opt = sgd(reference)
-    for step in range(STEPS):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-        opt.step()
-        opt.zero_grad()
-        loss_fn(reference, global_batch(step, WORLD)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(fabric, model, opt, reference, sgd(reference), STEPS)
     return {"init_diff": diff, "param_diff": max_param_diff(model, reference, ATOL)}
 
 
@@ -421,13 +416,7 @@ def registry_strings_train_on_cpu():
         fabric.launch()
         assert type(fabric.strategy).__module__ == "lightning_fsdp.fabric", type(fabric.strategy)
         model, opt, reference, ref_opt = model_and_reference(fabric)
-        for step in range(STEPS):
-            fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-            opt.step()
-            opt.zero_grad()
-            loss_fn(reference, global_batch(step, WORLD)).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        train_side_by_side(fabric, model, opt, reference, ref_opt, STEPS)
         diffs[name] = max_param_diff(model, reference, ATOL, f"{name}: ")
     return diffs
 
