@@ -14,6 +14,7 @@ CASES = [
     "swa_weight_averaging_matches_averaged_model",
     "ema_weight_averaging_matches_averaged_model_shard_grad_op",
     "ema_multi_avg_fn_matches_averaged_model_with_activation_checkpointing",
+    "weight_averaging_after_an_earlier_call_is_refused_with_a_hint",
     "weight_averaging_resumes_exactly_from_a_full_checkpoint",
     "weight_averaging_resumes_exactly_from_a_sharded_checkpoint",
 ]

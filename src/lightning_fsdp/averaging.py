@@ -25,7 +25,14 @@ from torch.nn import Module
 
 from lightning_fsdp.checkpoint.save import sharded_model_state
 
-__all__ = ["CURRENT_MODEL_KEY", "averaged_modules", "shard_averaged_copies", "load_request", "complete_for_callback"]
+__all__ = [
+    "CURRENT_MODEL_KEY",
+    "averaged_modules",
+    "refuse_copying_a_sharded_model",
+    "shard_averaged_copies",
+    "load_request",
+    "complete_for_callback",
+]
 
 CURRENT_MODEL_KEY = "current_model_state"
 """Where ``WeightAveraging.on_save_checkpoint`` moves the live model's weights (the average takes ``state_dict``)."""
@@ -42,6 +49,22 @@ def averaged_modules(trainer: Trainer) -> list[Module]:
         if average is not None:
             found.append(average.module)
     return found
+
+
+def refuse_copying_a_sharded_model(trainer: Trainer, model: Optional[Module], sharded: Optional[Module]) -> None:
+    """Before the callbacks' ``setup``: a weight-averaging callback deep-copies the model when fit begins, and FSDP2
+    cannot copy a model that is already sharded (an earlier ``fit``, ``validate``, ``test`` or ``predict`` on this
+    Trainer sharded it). Say so, and how to order the calls, instead of FSDP's bare "does not support deepcopy"."""
+    fitting = trainer.state.fn is not None and trainer.state.fn.value == "fit"
+    has_averaging = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
+    if fitting and has_averaging and model is not None and model is sharded:
+        raise RuntimeError(
+            "A WeightAveraging callback copies the model when `fit` begins, but this model was already sharded by an"
+            " earlier `fit`, `validate`, `test` or `predict` call, and a sharded model cannot be copied. HINT: run"
+            " `trainer.fit` on a model that no Trainer call has set up yet, and evaluate afterwards; to evaluate"
+            " before training, use a separate model instance, e.g. `Trainer(...).validate(LitModel(...))` and then"
+            " `trainer.fit(LitModel(...))`."
+        )
 
 
 def shard_averaged_copies(trainer: Trainer, shard: Any) -> None:

@@ -101,11 +101,6 @@ class FSDPEngine:
         at_rest.reshard_before_steps(optimizer, self._models)
         return optimizer
 
-    def reshard(self) -> None:
-        """Put every set-up model back at rest (see :mod:`lightning_fsdp.at_rest`)."""
-        for model in self._models():
-            at_rest.reshard_all(model)
-
     @contextmanager
     def no_backward_sync(self, module: Module, enabled: bool) -> Iterator[None]:
         # Only the outermost block switches communication off and on again, so nested blocks (a loop inside a

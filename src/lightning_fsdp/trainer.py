@@ -200,8 +200,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         self._engine.setup_distributed(self.cluster_environment, self.root_device, self.num_nodes)
         # `WeightAveraging.setup`, which runs next, warns that its copy of the model is not sharded; here it will be.
         warnings.filterwarnings("ignore", message=averaging.UNSHARDED_COPY_WARNING)
-        # `LightningModule.device_mesh` works in `configure_model`, as with Lightning's ModelParallelStrategy.
         assert self.lightning_module is not None
+        averaging.refuse_copying_a_sharded_model(self.lightning_module.trainer, self.model, self._sharded)
+        # `LightningModule.device_mesh` works in `configure_model`, as with Lightning's ModelParallelStrategy.
         self.lightning_module._device_mesh = self._engine.mesh
 
     def setup(self, trainer: Trainer) -> None:

@@ -263,6 +263,27 @@ def ema_multi_avg_fn_matches_averaged_model_with_activation_checkpointing():
     return _averaging_fit("ema_multi", activation_checkpointing_policy=["models.Block"])
 
 
+@case
+def weight_averaging_after_an_earlier_call_is_refused_with_a_hint():
+    # FSDP2 cannot deep-copy a sharded model, which the callback does when fit begins; the error says what to do.
+    lit = LitGPT()
+    trainer = make_trainer(callbacks=[EMAWeightAveraging(decay=0.9)])
+    trainer.validate(lit, loader(8, offset=100))
+    try:
+        trainer.fit(lit, loader())
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError("fit after validate with WeightAveraging did not raise")
+    assert "already sharded" in message and "HINT:" in message and "does not support deepcopy" not in message, message
+    # The documented way: a fresh model for fit.
+    fresh = LitGPT()
+    callback = EMAWeightAveraging(decay=0.9)
+    make_trainer(callbacks=[callback]).fit(fresh, loader())
+    assert callback._average_model.n_averaged.item() == 8
+    return {"message": message[:120]}
+
+
 def _averaging_resume(state_dict_type: str) -> dict:
     """Two epochs in one go against one epoch, a checkpoint, and a resumed second epoch in a new Trainer: the live
     and the averaged weights must both match."""
