@@ -42,7 +42,19 @@ def legacy_storage_type(dtype):
     return getattr(torch, _dtype_to_storage_type_map()[dtype])
 
 
+def planner_tools():
+    """torch's fake process group store (importing its module registers the ``"fake"`` backend), fake tensors, FSDP2
+    memory tracker, and the tracker's two peak states (forward, backward): what :mod:`lightning_fsdp.planner` plans
+    with. Imported on first use, so ``import lightning_fsdp`` does not pay for them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore, FakeTensorMode, FSDPMemTracker, (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
+
+
 __all__ = [
+    "planner_tools",
     "CheckpointImpl",
     "CheckpointWrapper",
     "checkpoint_wrapper",

@@ -1,7 +1,11 @@
-"""The ``lightning-fsdp`` command (also ``python -m lightning_fsdp``): inspect and convert checkpoints.
+"""The ``lightning-fsdp`` command (also ``python -m lightning_fsdp``): inspect and convert checkpoints, and plan
+the memory of a run before launching it.
 
     lightning-fsdp inspect PATH [--tensors] [--json] [--verify]
     lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY] [--overwrite]
+    lightning-fsdp plan --model MODULE:FACTORY --inputs MODULE:FACTORY --world-size N [strategy options] [--json]
+
+``plan`` is :mod:`lightning_fsdp.planner.command`.
 
 It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
@@ -24,6 +28,7 @@ from typing import Any, Optional, TextIO
 
 from lightning_fsdp.checkpoint.checksums import ChecksumError, verify_checkpoint
 from lightning_fsdp.checkpoint.convert import FORMATS, UsageError, convert, describe, open_checkpoint, parse_size
+from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]
 
@@ -56,8 +61,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Inspect and convert lightning-fsdp checkpoints (full and sharded).")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert}")
+    parser = _Parser(prog=PROG, description="Inspect and convert lightning-fsdp checkpoints (full and sharded), and plan"
+                                            " the memory of a run before launching it.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan}")
 
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds",
                                   description="Show a checkpoint's format, world size, models, optimizers and"
@@ -70,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                               " checkpoint, loads nothing into a model); exit status 1 on a mismatch")
     _add_allow_pickle(inspect)
     inspect.set_defaults(run=_inspect)
+
+    add_plan_command(commands)
 
     conv = commands.add_parser("convert", help="convert a checkpoint to another format",
                                description="Convert between full and sharded checkpoints, or export model weights"

@@ -1,0 +1,17 @@
+"""Know before launch whether a model fits: the memory of one training step on each rank, planned on fake tensors.
+
+    from lightning_fsdp.planner import plan_memory
+    plan = plan_memory(lambda: GPT(config), lambda: torch.randint(0, 50304, (8, 1024)), world_size=8,
+                       precision="bf16-mixed", auto_wrap_policy={Block})
+    print(plan.render())          # breakdown, where the peak is, per-unit table
+    plan.peak_bytes               # {rank: bytes}
+
+From a shell: ``lightning-fsdp plan --model mypkg.models:build --inputs mypkg.models:batch --world-size 8``
+(``--help`` lists the options, named as the strategy's arguments). :mod:`.step` runs the planned step,
+:mod:`.plan` reports it, :mod:`.suggest` finds what would make it fit a budget.
+"""
+
+from lightning_fsdp.planner.plan import STRATEGY_OPTIONS, MemoryPlan, plan_memory
+from lightning_fsdp.planner.suggest import Suggestion, suggest
+
+__all__ = ["plan_memory", "MemoryPlan", "suggest", "Suggestion", "STRATEGY_OPTIONS"]

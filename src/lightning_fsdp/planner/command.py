@@ -1,0 +1,147 @@
+"""``lightning-fsdp plan``: the command-line face of :func:`~lightning_fsdp.planner.plan_memory`.
+
+The options carry the strategy's argument names in their YAML spellings: ``--sharding-strategy FULL_SHARD``,
+``--auto-wrap-policy mypkg.model.Block`` (repeat it, or separate names with commas), ``--device-mesh 2,4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning_fsdp.checkpoint.convert import UsageError, parse_size
+
+__all__ = ["add_plan_command"]
+
+
+def add_plan_command(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan", help="plan the memory of one training step per rank, before launching",
+        description="Plan the memory one training step (forward, backward, optimizer step) needs on each rank, on"
+                    " fake tensors: nothing is allocated, and no GPU is needed.",
+    )
+    plan.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                      help="a callable returning the nn.Module, e.g. mypkg.models:build or path/to/file.py:build")
+    plan.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
+                      help="a callable returning one rank's batch: a tensor, a tuple (positional arguments) or a dict"
+                           " (keyword arguments)")
+    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N")
+    plan.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N")
+    plan.add_argument("--sharding-strategy", default="FULL_SHARD")
+    plan.add_argument("--auto-wrap-policy", action="append", metavar="DOTTED_NAME",
+                      help="module classes that become FSDP units, or 'auto' (default)")
+    plan.add_argument("--activation-checkpointing-policy", action="append", metavar="DOTTED_NAME")
+    plan.add_argument("--precision", default="32-true")
+    plan.add_argument("--cpu-offload", action="store_true")
+    plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD")
+    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+    plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
+                      help="per-rank budget (e.g. 80GB, 70GiB or bytes): if the plan does not fit, plan what would")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lightning_fsdp.planner import plan_memory, suggest
+
+    model = _load_callable(args.model, "--model")
+    inputs = _load_callable(args.inputs, "--inputs")
+    options: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
+    for name in ("auto_wrap_policy", "activation_checkpointing_policy"):
+        names = [n for value in getattr(args, name) or [] for n in value.split(",") if n]
+        if names:
+            options[name] = names[0] if names == ["auto"] else names
+    if args.device_mesh is not None:
+        options["device_mesh"] = args.device_mesh
+    try:
+        plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
+                           precision=args.precision, optimizer=args.optimizer, **options)
+    except (ValueError, TypeError) as err:
+        raise UsageError(_as_option_message(str(err))) from err
+    suggestions = []
+    if args.memory_budget is not None and not plan.fits(args.memory_budget):
+        suggestions = suggest(model, inputs, plan, args.memory_budget)
+    if args.json:
+        out = plan.to_dict()
+        if args.memory_budget is not None:
+            out["memory_budget"] = args.memory_budget
+            out["fits"] = plan.fits(args.memory_budget)
+            out["suggestions"] = [{"change": s.change, "peak_bytes": s.plan.max_peak_bytes, "fits": s.fits}
+                                  for s in suggestions]
+        print(json.dumps(out, indent=2))
+        return 0
+    print(plan.render())
+    if args.memory_budget is not None:
+        print(f"\n  budget {args.memory_budget} bytes: " + ("fits" if plan.fits(args.memory_budget) else "does not fit"))
+        for s in suggestions:
+            print(f"    {'fits' if s.fits else 'no  '}  {s.change}: peak {s.plan.max_peak_bytes} bytes")
+        first = next((s for s in suggestions if s.fits), None)
+        if suggestions:
+            print(f"  cheapest change that fits: {first.change}" if first else "  nothing tried fits; see above")
+    return 0
+
+
+def _load_callable(spec: str, option: str) -> Callable[[], Any]:
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{option} {spec!r} is not MODULE:FACTORY. HINT: name a callable, e.g."
+                         f" `{option} mypkg.models:build` or `{option} path/to/train.py:build`.")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            spec_ = importlib.util.spec_from_file_location(path.stem, path)
+            if spec_ is None or not path.is_file():
+                raise FileNotFoundError(module_name)
+            module = importlib.util.module_from_spec(spec_)
+            sys.path.insert(0, str(path.resolve().parent))
+            spec_.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as err:
+        raise UsageError(f"{option} {spec!r}: cannot import {module_name!r} ({err}). HINT: run from the directory"
+                         " that contains the package, or give a file path such as `path/to/train.py:build`.") from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"{option} {spec!r}: {module_name!r} has no callable {attr!r}. HINT: name a function that"
+                         " takes no arguments, e.g. `def build(): return GPT(config)`.")
+    return factory
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    parts = text.replace("x", ",").split(",")
+    try:
+        replicate, shard = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not REPLICATE,SHARD (e.g. 2,4)") from None
+    return replicate, shard
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _as_option_message(message: str) -> str:
+    """The library's messages name arguments as in Python (`auto_wrap_policy=...`); name the option as typed."""
+    for name in ("sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "device_mesh",
+                 "precision", "world_size", "num_nodes", "optimizer"):
+        message = message.replace(f"`{name}=", f"`--{name.replace('_', '-')} ")
+    return message

@@ -1,0 +1,176 @@
+"""``plan_memory``: the memory one training step needs on each rank, before anything is allocated, and
+``MemoryPlan``, what it returns (text and JSON renderings included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.errors import bad_argument
+from lightning_fsdp.planner.step import OPTIMIZERS, BatchSource, ModelSource, StepStats, run_step
+from lightning_fsdp.precision import FSDPPrecision
+
+__all__ = ["plan_memory", "MemoryPlan", "STRATEGY_OPTIONS"]
+
+# The strategy arguments a plan takes, with the names and spellings of `FSDPStrategy` (and the YAML).
+STRATEGY_OPTIONS = (
+    "sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "cpu_offload", "mixed_precision",
+    "device_mesh", "reshard_after_forward",
+)
+
+# Categories of FSDPMemTracker, grouped the way the report speaks of them.
+_AT_REST = {"sharded params": ("sharded_param",), "grads": ("sharded_grad", "unsharded_grad"), "optimizer state": ("opt",)}
+_IN_FLIGHT = ("unsharded_param", "all_gather", "reduce_scatter")
+_ACTIVATIONS = ("act", "temp", "inp")
+# What CPU offload keeps in host memory: the device peak leaves it out.
+_HOST_WHEN_OFFLOADED = ("sharded_param", "sharded_grad", "opt")
+
+
+@dataclass
+class MemoryPlan:
+    """The plan of one step per rank. ``peak_bytes`` maps each rank to its planned peak; with CPU offload that is the
+    accelerator's peak, and ``host_bytes`` what stays in host memory."""
+
+    world_size: int
+    settings: dict[str, Any]
+    ranks: dict[int, StepStats]
+    planned_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def cpu_offload(self) -> bool:
+        return bool(self.settings.get("cpu_offload"))
+
+    @property
+    def peak_bytes(self) -> dict[int, int]:
+        return {rank: self._device_peak(stats) for rank, stats in self.ranks.items()}
+
+    @property
+    def max_peak_bytes(self) -> int:
+        return max(self.peak_bytes.values())
+
+    def fits(self, budget: int) -> bool:
+        return self.max_peak_bytes <= budget
+
+    def _device_peak(self, stats: StepStats) -> int:
+        if not self.cpu_offload:
+            return stats.peak_bytes
+        return stats.peak_bytes - sum(stats.peak.get(k, 0) for k in _HOST_WHEN_OFFLOADED)
+
+    def breakdown(self, rank: int = 0) -> dict[str, int]:
+        stats = self.ranks[rank]
+        out = {name: sum(stats.after_step.get(k, 0) for k in keys) for name, keys in _AT_REST.items()}
+        out["gathered units in flight at the peak"] = sum(stats.peak.get(k, 0) for k in _IN_FLIGHT)
+        out["activations at the peak"] = sum(stats.peak.get(k, 0) for k in _ACTIVATIONS)
+        out["peak"] = self._device_peak(stats)
+        if self.cpu_offload:
+            out["host memory (offloaded)"] = sum(stats.after_step.get(k, 0) for k in _HOST_WHEN_OFFLOADED)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.ranks[min(self.ranks)]
+        return {
+            "peak_bytes": {str(r): b for r, b in self.peak_bytes.items()},
+            "world_size": self.world_size,
+            "settings": {k: _jsonable(v) for k, v in self.settings.items()},
+            "planned_ranks": self.planned_ranks,
+            "breakdown": self.breakdown(min(self.ranks)),
+            "peak_categories": first.peak,
+            "peak_at": {"phase": first.peak_phase, "unit": first.peak_unit},
+            "units": [{"unit": u.name or "(root)", "forward_peak": u.forward_peak, "backward_peak": u.backward_peak}
+                      for u in first.units],
+        }
+
+    def render(self) -> str:
+        rank = min(self.ranks)
+        stats = self.ranks[rank]
+        shown = ", ".join(f"{k}={_jsonable(v)}" for k, v in self.settings.items() if v not in (None, False))
+        lines = [f"Memory plan for one training step on {self.world_size} rank(s): {shown}", ""]
+        width = max(len(k) for k in self.breakdown(rank))
+        lines += [f"  {k:<{width}}  {_human(v):>10}" for k, v in self.breakdown(rank).items()]
+        where = stats.peak_phase
+        if stats.peak_phase != "optimizer step":
+            where += f" of unit {stats.peak_unit or '(root)'}"
+        lines += ["", f"  the peak is reached in {where}", "", "  per unit (bytes alive at its peak):"]
+        name_width = max([len(u.name or "(root)") for u in stats.units] + [4])
+        lines.append(f"    {'unit':<{name_width}}  {'forward':>10}  {'backward':>10}")
+        for unit in stats.units:
+            lines.append(f"    {unit.name or '(root)':<{name_width}}  {_human(unit.forward_peak):>10}"
+                         f"  {_human(unit.backward_peak):>10}")
+        peaks = self.peak_bytes
+        lines += ["", "  peak per rank: " + ", ".join(f"{r}: {_human(b)}" for r, b in peaks.items())]
+        if len(self.planned_ranks) < len(peaks):
+            lines.append(f"  (ranks {self.planned_ranks} planned; FSDP pads every shard to the same size, so the"
+                         " others hold what rank 0 holds)")
+        return "\n".join(lines)
+
+
+def plan_memory(
+    model: ModelSource,
+    batch: BatchSource,
+    *,
+    world_size: int,
+    num_nodes: int = 1,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    **strategy_options: Any,
+) -> MemoryPlan:
+    """Plan the memory of one training step on each of ``world_size`` ranks, allocating nothing.
+
+    Args:
+        model: an ``nn.Module`` (its tensors are not copied; a meta-device model is fine) or a callable that
+            builds one (called under fake tensors, so a model of any size costs nothing to build).
+        batch: one rank's batch, or a callable that returns it: a tensor (the one positional argument), a tuple
+            (positional arguments) or a dict (keyword arguments).
+        world_size, num_nodes: the run to plan.
+        precision: as in ``Fabric(precision=...)``.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (with momentum).
+        **strategy_options: ``FSDPStrategy``'s own arguments: ``sharding_strategy``, ``auto_wrap_policy``,
+            ``activation_checkpointing_policy``, ``cpu_offload``, ``mixed_precision``, ``device_mesh``,
+            ``reshard_after_forward``.
+
+    Call it before launching (it runs on a process group of its own, with the planned world size).
+    """
+    _check(world_size, num_nodes, precision, optimizer, strategy_options)
+    config = FSDPConfig.from_arguments(**strategy_options)
+    ranks = [0] if world_size == 1 else [0, world_size - 1]
+    planned = {r: run_step(model, batch, config, precision, optimizer, world_size, r, num_nodes) for r in ranks}
+    per_rank = {r: planned.get(r, planned[0]) for r in range(world_size)}
+    settings = {"precision": precision, "optimizer": optimizer, **strategy_options}
+    return MemoryPlan(world_size=world_size, settings=settings, ranks=per_rank, planned_ranks=ranks)
+
+
+def _check(world_size: Any, num_nodes: Any, precision: Any, optimizer: Any, options: dict[str, Any]) -> None:
+    for name, value in (("world_size", world_size), ("num_nodes", num_nodes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(bad_argument(name, value, "an int >= 1", f"Pass e.g. `{name}=2`."))
+    if world_size % num_nodes:
+        raise ValueError(bad_argument("num_nodes", num_nodes, f"a divisor of world_size={world_size}",
+                                      "Pass the number of nodes the ranks are spread over."))
+    FSDPPrecision(precision)  # raises the precision error of the strategy
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(bad_argument("optimizer", optimizer, ", ".join(map(repr, OPTIMIZERS)),
+                                      "Pick the optimizer family closest to yours, e.g. `optimizer='adamw'`."))
+    unknown = [k for k in options if k not in STRATEGY_OPTIONS]
+    if unknown:
+        raise TypeError(bad_argument(unknown[0], options[unknown[0]], ", ".join(STRATEGY_OPTIONS),
+                                     "Pass only the strategy's sharding arguments to the planner.",
+                                     problem=f"`{unknown[0]}` is not a planner option"))
+
+
+def _human(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)

@@ -1,0 +1,231 @@
+"""Run one training step of a model, sharded exactly as the strategy would shard it, without allocating anything.
+
+How: a *fake* process group of the planned world size (collectives that move no data), torch's ``FakeTensorMode``
+(tensors with shapes and dtypes but no storage), and torch's ``FSDPMemTracker``, which attributes every tensor that
+would be alive to a category (sharded parameters, gathered parameters, gradients, optimizer state, activations,
+communication buffers) and records the peak per FSDP unit, in forward and in backward. The model goes through the
+strategy's own :func:`~lightning_fsdp.sharding.shard_model`, so units, activation checkpointing, resharding and
+mixed precision are the ones a real run gets.
+
+The step is the one a training loop runs in its steady state: forward; backward of the output if it is a scalar, of
+its ``.loss`` if it has one, else of its sum; one optimizer step. Steady state means the optimizer already holds its
+state (AdamW's two moments) from earlier steps, and gradients were set to ``None`` after the last step: the first
+step of a run peaks lower, since its optimizer state appears only when its activations are gone.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp._compat import planner_tools
+from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.mesh import build_mesh
+from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp.sharding import shard_model
+
+__all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS"]
+
+FakeStore, FakeTensorMode, FSDPMemTracker, (PEAK_FW, PEAK_BW) = planner_tools()
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+ModelSource = Union[nn.Module, Callable[[], nn.Module]]
+BatchSource = Union[Any, Callable[[], Any]]
+
+
+@dataclass
+class UnitStats:
+    name: str  # the unit's qualified name in the model ("" for the root)
+    forward_peak: int  # bytes alive at the unit's peak in forward
+    backward_peak: int  # and in backward (0 if it ran no backward)
+
+
+@dataclass
+class StepStats:
+    """What one rank holds. ``peak`` maps each category to its bytes at the moment of the overall peak; ``after_step``
+    to its bytes once the optimizer has stepped (sharded parameters, gradients and optimizer state at rest)."""
+
+    peak_bytes: int
+    peak: dict[str, int]
+    after_step: dict[str, int]
+    units: list[UnitStats]
+    peak_phase: str  # "forward", "backward" or "optimizer step"
+    peak_unit: str
+
+
+def run_step(
+    model: ModelSource, batch: BatchSource, config: FSDPConfig, precision: str, optimizer: str, world_size: int,
+    rank: int, num_nodes: int = 1,
+) -> StepStats:
+    """Plan rank ``rank`` of ``world_size`` (see the module docstring)."""
+    device = torch.device("cpu")
+    plugin = FSDPPrecision(precision)
+    plugin.set_device_type(device.type)
+    with _fake_process_group(rank, world_size), warnings.catch_warnings():
+        # FSDP's note on root outputs that are views concerns in-place use of the output; the planner makes none.
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        mesh = build_mesh(config, device, world_size, num_nodes)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            module = _fake_model(model, mode)
+            shard_model(module, config, mesh, device, config.mixed_precision or plugin.mixed_precision_policy())
+            opt = OPTIMIZERS[optimizer](module.parameters())
+            _create_optimizer_state(opt)
+            args, kwargs = _as_call(_fake_batch(batch, mode))
+            tracker = FSDPMemTracker(module, opt)
+            tracker.track_inputs((args, kwargs))
+            with tracker:
+                with plugin.forward_context():
+                    output = module(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+                _loss_of(output).backward()
+                before_step = tracker.get_tracker_snapshot("peak")
+                opt.step()
+                after = tracker.get_tracker_snapshot("current")  # params, grads and optimizer state at rest
+                opt.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+            units = _unit_stats(tracker, module)
+    peak_dev = _one_device(peak)
+    phase, unit = _where(peak_dev["Total"], _one_device(before_step)["Total"], units)
+    return StepStats(
+        peak_bytes=peak_dev["Total"], peak=_categories(peak_dev), after_step=_categories(_one_device(after)),
+        units=units, peak_phase=phase, peak_unit=unit,
+    )
+
+
+def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """What earlier steps leave behind: one step on zero gradients creates the state (on fake tensors, for free)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        raise RuntimeError(
+            "A memory plan needs a process group of its own, and this process already has one. HINT: plan before"
+            " launching, e.g. in the script that calls `fabric.launch()`, before that call, or run"
+            " `lightning-fsdp plan ...` from a shell."
+        )
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_model(source: ModelSource, mode: FakeTensorMode) -> nn.Module:
+    if isinstance(source, nn.Module):
+        # A copy whose tensors are shapes only: no storage is copied, and the caller's module is left alone.
+        memo = {id(t): _meta_like(t) for t in [*source.parameters(), *source.buffers()]}
+        module = copy.deepcopy(source, memo)
+    else:
+        module = source()  # built under fake mode: its tensors already have no storage
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"The model factory returned a {type(module).__name__}, not an nn.Module. HINT: return the"
+                            " model itself, e.g. `def build(): return GPT(config)`.")
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module.to_empty(device="cpu")  # fake tensors, since fake mode is active
+    return module
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _fake_batch(source: BatchSource, mode: FakeTensorMode) -> Any:
+    batch = source() if callable(source) else source
+    return _map_tensors(batch, lambda t: t if mode.is_our_fake(t) else mode.from_tensor(t))
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _as_call(batch: Any) -> tuple[tuple, dict]:
+    """A tensor is one positional argument, a tuple the positional arguments, a dict the keyword arguments."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, tuple):
+        return batch, {}
+    return (batch,), {}
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    if isinstance(output, (list, tuple)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"The model returned a {type(output).__name__}; the planner backpropagates a tensor (the output if it is"
+            " a scalar, else its sum), or the output's `.loss`. HINT: make the model factory return a module whose"
+            " forward returns a tensor or an object with `.loss`."
+        )
+    return output if output.ndim == 0 else output.float().sum()
+
+
+def _one_device(snapshot: dict) -> dict[str, int]:
+    """The tracker keeps one table per device; a CPU plan has one."""
+    totals: dict[str, int] = {}
+    for table in snapshot.values():
+        for key, value in table.items():
+            name = getattr(key, "name", str(key))
+            totals[name] = totals.get(name, 0) + value
+    return totals
+
+
+def _categories(table: dict[str, int]) -> dict[str, int]:
+    return {k.lower(): v for k, v in table.items() if k != "Total"}
+
+
+def _unit_stats(tracker: FSDPMemTracker, module: nn.Module) -> list[UnitStats]:
+    names = {id(m): n for n, m in module.named_modules()}
+    stats = []
+    for unit, record in tracker.memory_tracking.items():
+        if id(unit) not in names:
+            continue
+        fw = record.snapshots.get(PEAK_FW, [])
+        bw = record.snapshots.get(PEAK_BW, [])
+        stats.append(UnitStats(
+            name=names[id(unit)],
+            forward_peak=max((_one_device(s)["Total"] for s in fw), default=0),
+            backward_peak=max((_one_device(s)["Total"] for s in bw), default=0),
+        ))
+    order = {n: i for i, n in enumerate(names.values())}
+    return sorted(stats, key=lambda u: order.get(u.name, 0))
+
+
+def _where(peak: int, before_step: int, units: list[UnitStats]) -> tuple[str, str]:
+    """The phase and the innermost unit at whose peak the overall peak was reached."""
+    if peak > before_step:
+        return "optimizer step", ""
+    candidates = [(u.backward_peak, "backward", u.name) for u in units] + [(u.forward_peak, "forward", u.name) for u in units]
+    top = max(c[0] for c in candidates)
+    # The root's peak contains its children's; the deepest unit with the same peak is the one to name.
+    _, phase, name = max((c for c in candidates if c[0] == top), key=lambda c: c[2].count(".") + (c[2] != ""))
+    return phase, name
