@@ -38,6 +38,7 @@ from lightning_fsdp._compat import compute_local_shape_and_global_offset
 __all__ = ["SKIP", "ParamInitFn", "empty_init_context", "materialize", "has_meta_tensors"]
 
 SKIP = "skip"
+_Watched = list[tuple[str, nn.Module, str, bool]]  # (module path, module, attribute, is_parameter)
 ParamInitFn = Union[None, str, Callable[[nn.Module], None]]
 
 
@@ -102,12 +103,16 @@ def materialize(
     # Integer and bool tensors cannot carry the NaN sentinel: for them, an owner with no initializer is the error.
     non_float = {id(m) for _, m in owners
                  if any(t.is_meta and not (t.is_floating_point() or t.is_complex()) for t in _direct_tensors(m))}
+    # The slots that were meta, named before allocation: real tensors of the same modules are not watched.
+    fresh: _Watched = [(path, m, name, is_param) for path, m in owners
+                       for slots, is_param in ((m._parameters, True), (m._buffers, False))
+                       for name, t in slots.items() if t is not None and t.is_meta]
     with _per_shard_random_init(mesh, device):
         for _, owner in owners:
             _allocate(owner, device, params_on_cpu)
         if param_init_fn == SKIP:
             return
-        watched = _fill_with_sentinel(owners)
+        watched = _fill_with_sentinel(fresh)
         with torch.no_grad():
             uncovered = [m for m in initialize(module, [m for _, m in owners], param_init_fn) if id(m) in non_float]
     _refuse_unwritten(watched, uncovered, param_init_fn, device)
@@ -122,12 +127,10 @@ def _allocate(owner: nn.Module, device: torch.device, params_on_cpu: bool) -> No
     with torch.no_grad():
         for name, value in real_params.items():
             owner._parameters[name].copy_(value)
-    for name, buf in owner._buffers.items():
-        if name in real_buffers:
-            buf = real_buffers[name]
+    for name, buf in list(owner._buffers.items()):
+        buf = real_buffers.get(name, buf)
         # Buffers take part in compute, so they live on the device even when offloaded parameters stay on the host.
-        if buf is not None and buf.device != device:
-            owner._buffers[name] = buf.to(device)
+        owner._buffers[name] = buf.to(device) if buf is not None else None
 
 
 def initialize(module: nn.Module, owners: list[nn.Module], param_init_fn: ParamInitFn = None) -> list[nn.Module]:
@@ -270,20 +273,17 @@ def _check_ties(pretrained_models: list[nn.Module]) -> None:
 
 # --- the check ------------------------------------------------------------------------------------------------------
 
-_Watched = list[tuple[str, nn.Module, str, bool]]  # (module path, module, attribute, is_parameter)
 
-
-def _fill_with_sentinel(owners: list[tuple[str, nn.Module]]) -> _Watched:
+def _fill_with_sentinel(fresh: _Watched) -> _Watched:
     """NaN in every freshly allocated floating-point tensor: one still holding NaN after the initializers was written
     by none of them (or only in part). Checked on the local shard, so it costs one pass over this rank's memory."""
     watched: _Watched = []
-    for path, owner in owners:
-        for slots, is_param in ((owner._parameters, True), (owner._buffers, False)):
-            for name, tensor in slots.items():
-                if tensor is not None and (tensor.is_floating_point() or tensor.is_complex()):
-                    with torch.no_grad():
-                        _local(tensor).fill_(float("nan"))
-                    watched.append((path, owner, name, is_param))
+    for path, owner, name, is_param in fresh:
+        tensor = (owner._parameters if is_param else owner._buffers)[name]
+        if tensor.is_floating_point() or tensor.is_complex():
+            with torch.no_grad():
+                _local(tensor).fill_(float("nan"))
+            watched.append((path, owner, name, is_param))
     return watched
 
 
