@@ -29,6 +29,10 @@ from torch.storage import _dtype_to_storage_type_map, _new_dtypes
 # allow-list unpickler must name it, and the checksum reader verifies one such slice at a time.
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageInfo
 
+# Where a DTensor's local shard starts in the global tensor: used to redo the one index write that init code does
+# (zeroing an embedding's padding row), which DTensor indexing cannot carry through to the shard.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 
 def legacy_storage_type(dtype):
     """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references to a
@@ -67,4 +71,5 @@ __all__ = [
     "rebuild_tensor",
     "rebuild_tensor_with_dtype",
     "DCPStorageInfo",
+    "compute_local_shape_and_global_offset",
 ]

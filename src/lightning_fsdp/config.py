@@ -8,6 +8,7 @@ live in :mod:`lightning_fsdp.mesh` and run at setup.
 from __future__ import annotations
 
 import math
+import importlib
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_fsdp.errors import bad_argument
+from lightning_fsdp.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.policy import Policy, PolicyInput, parse_policy
 
 __all__ = [
@@ -89,6 +91,7 @@ class FSDPConfig:
     async_save: bool
     sync_module_states: bool = True
     timeout: Optional[timedelta] = None  # None: the backend's default
+    param_init_fn: ParamInitFn = None
 
     @property
     def cpu_offload(self) -> bool:
@@ -111,6 +114,7 @@ class FSDPConfig:
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
         timeout: Union[timedelta, float, None] = None,
+        param_init_fn: Any = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         return cls(
@@ -128,6 +132,7 @@ class FSDPConfig:
             async_save=_parse_async_save(async_save, state_dict_type),
             sync_module_states=_parse_sync_module_states(sync_module_states),
             timeout=parse_timeout(timeout),
+            param_init_fn=_parse_param_init_fn(param_init_fn),
         )
 
 
@@ -140,7 +145,6 @@ _FSDP1_KWARGS = {
     "forward_prefetch": "FSDP2 prefetches by itself",
     "backward_prefetch": "FSDP2 prefetches by itself",
     "device_id": "the device comes from the accelerator",
-    "param_init_fn": "use `init_module(empty_init=True)` and `reset_parameters()` instead",
     "ignored_states": "not supported by this strategy",
     "ignored_modules": "not supported by this strategy",
 }
@@ -308,6 +312,40 @@ def _parse_sync_module_states(value: Any) -> bool:
             "Leave it unset: every rank then starts from rank 0's parameters and buffers. Use False only when every"
             " rank builds identical weights itself (a saving of one broadcast of the model at setup).",
         )
+    )
+
+
+_PARAM_INIT_ALLOWED = (
+    "None (each module's own initializer: `reset_parameters()`, Hugging Face's `_init_weights`), a callable"
+    " `fn(module)`, the dotted path of one as a string, or 'skip' (leave the memory uninitialized: weights are loaded"
+    " right after setup)"
+)
+
+
+def _parse_param_init_fn(value: Any) -> ParamInitFn:
+    if value is None or callable(value):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(
+            bad_argument("param_init_fn", value, _PARAM_INIT_ALLOWED,
+                         "Pass a function that fills one module's tensors in place, e.g. `param_init_fn=my_init`.")
+        )
+    if value.strip().lower() == SKIP:
+        return SKIP
+    # A YAML config can only name a function: import it from its dotted path, as the policies import classes.
+    module_name, _, attribute = value.strip().rpartition(".")
+    problem = ""
+    try:
+        found = getattr(importlib.import_module(module_name), attribute) if module_name else None
+    except (ImportError, AttributeError) as err:
+        found, problem = None, f"`{value}` could not be imported ({err})"
+    if callable(found):
+        return found
+    raise ValueError(
+        bad_argument("param_init_fn", value, _PARAM_INIT_ALLOWED,
+                     "Name a function by its full dotted path, e.g. `param_init_fn='my_package.init.init_module'`,"
+                     " or use 'skip' only if every weight is loaded right after setup.",
+                     problem=problem or f"`{value}` names no callable")
     )
 
 

@@ -30,6 +30,7 @@ from lightning_fsdp import checkpoint
 from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
 from lightning_fsdp.engine import FSDPEngine
 from lightning_fsdp.front import FrontMixin, config_arguments
+from lightning_fsdp.meta_init import empty_init_context
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
 
@@ -69,6 +70,11 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
+        param_init_fn: how a model built with ``init_module(empty_init=True)`` is initialized after sharding. ``None``
+            (default): as its own construction would (``reset_parameters()`` per module, then Hugging Face's
+            ``_init_weights``); a tensor no initializer writes is an error. A callable ``fn(module)`` (or its dotted
+            path): called instead on each module that owns meta tensors, whose parameters are then allocated DTensor
+            shards to fill in place. ``"skip"``: allocate only, for weights loaded right after setup.
         **kwargs: FSDP1 keywords of Lightning's strategy (``use_orig_params``, ``limit_all_gathers``, ...) are
             accepted and ignored with a warning; anything else is a ``TypeError``.
     """
@@ -95,6 +101,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         hybrid_no_sync: HybridNoSync = "skip_all",
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
+        param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))
@@ -164,8 +171,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         stack = ExitStack()
         if empty_init:
-            # Materialized in `setup_module`, after sharding, so only local shards are ever allocated.
-            stack.enter_context(torch.device("meta"))
+            # Parameters on meta, buffers real; materialized in `setup_module`, after sharding, so only local shards
+            # are ever allocated (see `meta_init.empty_init_context`).
+            stack.enter_context(empty_init_context())
         stack.enter_context(self.precision.module_init_context())
         return stack
 

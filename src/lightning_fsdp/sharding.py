@@ -5,7 +5,7 @@ The order matters and is fixed in :func:`shard_model`:
 
 1. activation checkpointing wraps the chosen blocks (so recomputation happens inside one FSDP unit);
 2. ``fully_shard`` runs bottom-up on the policy's units, then on the root;
-3. meta-device parameters are materialized, now as local shards only;
+3. meta-device parameters are materialized, now as local shards only, and initialized (see :mod:`.meta_init`);
 4. optimizers are pointed at the final parameter objects.
 """
 
@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
 from lightning_fsdp.at_rest import reshard_all
 from lightning_fsdp.config import FSDPConfig
+from lightning_fsdp.meta_init import has_meta_tensors, materialize
 from lightning_fsdp.policy import Policy, candidate_block_classes, describe_units
 
 __all__ = [
@@ -136,9 +137,9 @@ def shard_model(
             fully_shard(root, reshard_after_forward=reshard, **kwargs)
 
     if has_meta_tensors(module):
-        # Parameters: the per-shard seeding in `_materialize` gives shards their own values and keeps replicas
+        # Parameters: the per-shard seeding in `materialize` gives shards their own values and keeps replicas
         # identical. Buffers are not sharded, and `reset_parameters()` may fill them from each rank's generator.
-        _materialize(module, mesh, device, params_on_cpu=config.cpu_offload)
+        materialize(module, mesh, device, params_on_cpu=config.cpu_offload, param_init_fn=config.param_init_fn)
         if config.sync_module_states:
             broadcast_module_state(module, device, buffers_only=True)
     return ShardedModel(module=module, summary=summary, roots=roots)
@@ -240,7 +241,8 @@ def broadcast_module_state(module: nn.Module, device: torch.device, *, buffers_o
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     tensors = list(module.buffers()) if buffers_only else [*module.parameters(), *module.buffers()]
-    # Parameters of units the user sharded before setup are already per-rank shards: nothing to agree on there.
+    # Parameters of units the user sharded already are DTensor shards: rank 0 holds only its own, so they are not
+    # its to send (and cannot be concatenated with plain tensors).
     tensors = [t for t in tensors if not isinstance(t, DTensor)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -273,15 +275,6 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Ten
         size += nbytes
     if bucket:
         yield bucket
-
-
-def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors(module))
-
-
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
 
 
 def _fsdp_units(module: nn.Module) -> list[FSDPModule]:
@@ -362,71 +355,3 @@ def _offload_policy_for(config: FSDPConfig, device: torch.device):
         # Pinning needs an accelerator; on a CPU run the "offloaded" shards already live in host memory.
         return CPUOffloadPolicy(pin_memory=False)
     return policy
-
-
-def _materialize(module: nn.Module, mesh: DeviceMesh, device: torch.device, params_on_cpu: bool) -> None:
-    """Allocate the (already sharded) meta tensors and run each module's ``reset_parameters``.
-
-    Sharding happened first, so ``to_empty`` allocates local shards only: no rank ever holds the full model.
-    """
-    with _per_shard_random_init(mesh, device):
-        _allocate_and_reset(module, device, params_on_cpu)
-
-
-@contextmanager
-def _per_shard_random_init(mesh: DeviceMesh, device: torch.device) -> Iterator[None]:
-    """Give each shard its own random stream while parameters are initialized on a CPU mesh.
-
-    On CUDA, DTensor's random ops keep one seed across ranks and offset it per shard. On a CPU mesh they fall back to
-    the plain generator, so every rank would fill its shard with the same numbers (rank 1's rows repeating rank 0's).
-    Seeding by the coordinate along the shard axis keeps replicas (hybrid sharding, NO_SHARD) identical while shards
-    differ. The global generator is restored afterwards, minus the one draw that picks the base seed.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    base = torch.randint(0, 2**31, (1,))
-    if dist.is_initialized():
-        dist.broadcast(base, src=0)  # ranks seeded differently must still agree on their replicas
-    base = int(base.item())
-    shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(base + shard_coordinate)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*DTensor random operators may not have complete support.*")
-            yield
-
-
-def _allocate_and_reset(module: nn.Module, device: torch.device, params_on_cpu: bool) -> None:
-    module.to_empty(device="cpu" if params_on_cpu else device)
-    if params_on_cpu and device.type != "cpu":
-        # Offloaded parameters stay on the host, but buffers take part in compute and belong on the device.
-        for sub in module.modules():
-            for name, buf in sub._buffers.items():
-                if buf is not None:
-                    sub._buffers[name] = buf.to(device)
-    uninitialized: list[str] = []
-    # Parents first, like construction order. Each module resets only when it owns tensors directly; a parent whose
-    # reset also touches its children's tensors is overridden by the children's own resets that follow.
-    for sub in module.modules():
-        if not any(True for _ in _direct_tensors(sub)):
-            continue
-        # torch's own nn.MultiheadAttention names its initializer `_reset_parameters`.
-        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
-        if callable(reset):
-            with torch.no_grad():
-                reset()
-        elif type(sub).__name__ not in uninitialized:
-            uninitialized.append(type(sub).__name__)
-    if uninitialized:
-        warnings.warn(
-            "These modules were created on the meta device and own parameters or buffers but define no"
-            f" `reset_parameters()`, so their values are uninitialized memory: {', '.join(uninitialized)}."
-            " HINT: add a `reset_parameters()` method to each, or create the model without `empty_init=True`.",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _direct_tensors(module: nn.Module) -> Sequence[torch.Tensor]:
-    return [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]

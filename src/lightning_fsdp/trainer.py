@@ -56,6 +56,7 @@ from lightning_fsdp.checkpoint.state import holds_dtensors
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.engine import FSDPEngine
 from lightning_fsdp.front import FrontMixin, config_arguments
+from lightning_fsdp.meta_init import empty_init_context
 from lightning_fsdp.policy import PolicyInput
 from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 
@@ -145,6 +146,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         hybrid_no_sync: str = "skip_all",
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
+        param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:
@@ -236,9 +238,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # With `empty_init=True` the module is built on the meta device and materialized in `setup`, after sharding,
-        # so only local shards are ever allocated.
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        # With `empty_init=True` parameters are built on the meta device (buffers for real) and materialized in
+        # `setup`, after sharding, so only local shards are ever allocated (see `meta_init.empty_init_context`).
+        with empty_init_context() if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager

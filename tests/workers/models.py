@@ -62,3 +62,9 @@ class UnevenModel(nn.Module):
         logits = self.lm(batch[:, :-1]).float()
         lm_loss = nn.functional.cross_entropy(logits.reshape(-1, self.VOCAB), batch[:, 1:].reshape(-1))
         return lm_loss + self.cls(self.lm.embed(batch)).square().mean() + self.row.square().sum()
+
+
+def fill_with_half(module: nn.Module) -> None:
+    """A ``param_init_fn`` for the tests, importable by its dotted path ``models.fill_with_half``."""
+    for param in module.parameters(recurse=False):
+        param.fill_(0.5)
