@@ -31,6 +31,7 @@ from lightning_fsdp.checkpoint.checksums import verify_zip
 from lightning_fsdp.checkpoint.readers import Checkpoint, TensorEntry, UsageError, _reading, open_checkpoint
 from lightning_fsdp.checkpoint.writers import (
     SAFETENSORS_FILENAME,
+    export_name,
     SAFETENSORS_INDEX_FILENAME,
     Progress,
     write_full,
@@ -46,12 +47,14 @@ __all__ = [
     "describe",
     "convert",
     "parse_size",
+    "export_prefix",
     "FORMATS",
     "SAFETENSORS_FILENAME",
     "SAFETENSORS_INDEX_FILENAME",
 ]
 
 FORMATS = ("full", "sharded", "safetensors")
+_TRAINER_MARK = "pytorch-lightning_version"  # the Lightning Trainer writes it into every checkpoint
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -115,6 +118,7 @@ def convert(
     overwrite: bool = False,
     allow_pickle: bool = False,
     progress: Optional[Progress] = None,
+    strip_prefix: Optional[str] = None,
 ) -> Path:
     """Write ``source`` in another format at ``destination``, atomically; returns ``destination``.
 
@@ -126,11 +130,15 @@ def convert(
       ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``, as Hugging Face writes them.
       Several models are exported together with their key prefixed to each name (``model.fc.weight``,
       ``ema.fc.weight``); ``model="ema"`` exports one model, unprefixed.
+      ``strip_prefix`` removes a prefix from the names of one exported model, so they match the names the model
+      class expects (``model.model.layers.0...`` of a Trainer checkpoint -> ``model.layers.0...``). ``None``
+      detects it (see :func:`export_prefix`); ``""`` keeps every name as it is.
     """
     if to not in FORMATS:
         raise UsageError(f"Unknown target format {to!r}. Allowed: {', '.join(FORMATS)}. HINT: e.g. `--to full`.")
-    if to != "safetensors" and (max_shard_size is not None or model is not None):
-        option = "--max-shard-size" if max_shard_size is not None else "--model"
+    if to != "safetensors" and (max_shard_size is not None or model is not None or strip_prefix):
+        option = "--max-shard-size" if max_shard_size is not None else "--model" if model is not None \
+            else "--strip-prefix"
         raise UsageError(f"`{option}` applies to `--to safetensors` only, not `--to {to}`. HINT: drop `{option}`,"
                          " or export weights with `--to safetensors`.")
     if max_shard_size is not None and max_shard_size <= 0:
@@ -152,12 +160,14 @@ def convert(
         writer = lambda staged: write_sharded(checkpoint, staged, progress)  # noqa: E731
     else:
         keys = _export_models(checkpoint, model)
+        prefix, _ = export_prefix(checkpoint, model=model, strip_prefix=strip_prefix)
         single_file = target.suffix == ".safetensors"
         if single_file and max_shard_size is not None:
             raise UsageError(f"Sharded safetensors go into a directory, but DST {str(target)!r} names a file."
                              f" HINT: pass a directory, e.g. `{target.with_suffix('')}`, or drop --max-shard-size.")
         writer = lambda staged: write_safetensors(  # noqa: E731
-            checkpoint, keys, staged, single_file=single_file, max_shard_size=max_shard_size, progress=progress
+            checkpoint, keys, staged, single_file=single_file, max_shard_size=max_shard_size, progress=progress,
+            strip_prefix=prefix,
         )
     _write_atomically(target, writer)
     return target
@@ -212,6 +222,41 @@ def _export_models(checkpoint: Checkpoint, model: Optional[str]) -> list[str]:
         raise UsageError(f"Invalid `--model {model}`: no such model in {str(checkpoint.path)!r}. Allowed:"
                          f" {', '.join(checkpoint.models)}. HINT: e.g. `--model {checkpoint.models[0]}`.")
     return [model]
+
+
+def export_prefix(checkpoint: Checkpoint, *, model: Optional[str] = None,
+                  strip_prefix: Optional[str] = None) -> tuple[str, str]:
+    """The prefix a safetensors export strips from every name, and a sentence saying what and why.
+
+    The Lightning Trainer saves a LightningModule's weights under its attribute names: ``self.model =
+    LlamaForCausalLM(...)`` gives ``model.model.layers.0...`` and ``model.lm_head.weight``, while the Hugging Face
+    class expects ``model.layers.0...`` and ``lm_head.weight``. Detected (``strip_prefix=None``) only when that is
+    unambiguous: the checkpoint was written by the Trainer (it records ``pytorch-lightning_version``), one model
+    is exported, and every name of it starts with the same attribute, which is then stripped. Fabric checkpoints
+    hold the model that was passed to ``fabric.save``, already under its own names, so nothing is stripped.
+    An explicit prefix must begin every name.
+    """
+    keys = _export_models(checkpoint, model)
+    names = [export_name(e, len(keys) > 1) for e in checkpoint.tensors(keys)]
+    if strip_prefix == "":
+        return "", "names kept as saved"
+    if strip_prefix is not None:
+        if len(keys) > 1:
+            raise UsageError(f"`--strip-prefix {strip_prefix}` applies to one exported model, but"
+                             f" {str(checkpoint.path)!r} holds {len(keys)} ({', '.join(keys)}). HINT: choose one"
+                             f" with `--model {keys[0]}`.")
+        other = next((n for n in names if not n.startswith(strip_prefix)), None)
+        if other is not None:
+            raise UsageError(f"Invalid `--strip-prefix {strip_prefix}`: the weight {other!r} does not start with"
+                             f" it, and every name must. HINT: pass a prefix every name shares, e.g. `--strip-prefix"
+                             f" {other.split('.')[0]}.`, or `--strip-prefix ''` to keep the names.")
+        return strip_prefix, f"stripped {strip_prefix!r} from {len(names)} names (as asked)"
+    tops = {n.split(".", 1)[0] for n in names}
+    if len(keys) == 1 and _TRAINER_MARK in checkpoint.metadata and len(tops) == 1 and all("." in n for n in names):
+        prefix = tops.pop() + "."
+        return prefix, (f"stripped {prefix!r} from {len(names)} names: a Trainer checkpoint whose LightningModule"
+                        f" holds every weight in `self.{prefix[:-1]}` (keep them with --strip-prefix '')")
+    return "", "names kept as saved (no prefix to strip detected)"
 
 
 def parse_size(text: str) -> int:

@@ -30,7 +30,7 @@ from lightning_fsdp.checkpoint.readers import (
     _single_process,
 )
 
-__all__ = ["write_full", "write_sharded", "write_safetensors", "Progress", "SAFETENSORS_FILENAME",
+__all__ = ["write_full", "write_sharded", "write_safetensors", "export_name", "Progress", "SAFETENSORS_FILENAME",
            "SAFETENSORS_INDEX_FILENAME"]
 
 SAFETENSORS_FILENAME = "model.safetensors"
@@ -111,12 +111,13 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
 
 
 def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, single_file: bool,
-                       max_shard_size: Optional[int], progress: Optional[Progress]) -> None:
+                       max_shard_size: Optional[int], progress: Optional[Progress], strip_prefix: str = "") -> None:
+    """Write the weights of the models ``keys``; one model's names lose ``strip_prefix`` (checked by the caller)."""
     from safetensors.torch import save_file
 
     prefixed = len(keys) > 1
     entries = checkpoint.tensors(keys)
-    names = {id(e): ".".join(str(p) for p in (e.path if prefixed else e.path[1:])) for e in entries}
+    names = {id(e): export_name(e, prefixed)[len(strip_prefix):] for e in entries}
     shards = list(_batches(entries, max_shard_size)) if max_shard_size else [entries]
     if single_file:
         files = [staged]
@@ -148,6 +149,12 @@ def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, 
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
         (staged / SAFETENSORS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_name(entry: TensorEntry, prefixed: bool) -> str:
+    """The name a weight gets in a safetensors export: its flat name, without the model's key unless several
+    models are exported together."""
+    return ".".join(str(p) for p in (entry.path if prefixed else entry.path[1:]))
 
 
 def _umask_mode(file: Path) -> None:
