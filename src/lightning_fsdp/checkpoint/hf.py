@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.futures import Future
 from torch.nn import Module
 
@@ -59,7 +60,7 @@ class LoadReport:
 
     def render(self, model: Module, path: Path) -> str:
         """The warning text: one line per group of names, layer indices folded (``layers.{0, 1}.mlp.up.weight``)."""
-        lines = [f"{type(model).__name__} LOAD REPORT from: {path}"]
+        lines = [f"{_class_name(model)} LOAD REPORT from: {path}"]
         lines += [f"  MISSING     {name}" for name in _fold(self.missing_keys)]
         lines += [f"  UNEXPECTED  {name}" for name in _fold(self.unexpected_keys)]
         if self.missing_keys:
@@ -118,7 +119,7 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
     report, load_names = _match(state, metadata, _tied_names(module))
     if strict and (report.missing_keys or report.unexpected_keys):
         raise KeyError(
-            f"Loading {str(source)!r} into {type(module).__name__} with `strict=True`: missing keys"
+            f"Loading {str(source)!r} into {_class_name(module)} with `strict=True`: missing keys"
             f" {report.missing_keys}, unexpected keys {report.unexpected_keys}. HINT: pass `strict=False` to load"
             " the weights that match and keep the initial values of the rest (the names are reported as a warning)."
         )
@@ -216,6 +217,12 @@ def _tied_names(module: Module) -> list[set[str]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         by_param[id(param)].add(_clean(name))
     return [names for names in by_param.values() if len(names) > 1]
+
+
+def _class_name(module: Module) -> str:
+    """The user's class name: ``fully_shard`` swaps in a subclass named ``FSDP<name>``."""
+    cls = type(module)
+    return cls.__bases__[0].__name__ if isinstance(module, FSDPModule) and cls.__bases__ else cls.__name__
 
 
 def _clean(name: str) -> str:
