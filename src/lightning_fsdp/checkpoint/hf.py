@@ -112,7 +112,7 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
     """
     source = Path(comm.broadcast(str(path)))
     files = together(comm, f"Finding the safetensors files of {str(source)!r}", lambda: safetensors_files(source))
-    reader = _SafetensorsReader(files)
+    reader = _SafetensorsReader(files, progress=comm.global_rank == 0)
     # Every rank reads the headers itself (a few kB each), so every rank can plan its own reads.
     metadata: Metadata = together(comm, f"Reading the safetensors headers of {str(source)!r}", reader.read_metadata)
     state = get_model_state_dict(module)
@@ -145,14 +145,19 @@ class _SafetensorsReader(HuggingFaceStorageReader):
       per read, and at most one slice is resident at a time.
     """
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], *, progress: bool) -> None:
         super().__init__(str(files[0].parent))
         self.fs = _Listing(self.fs, files)
+        self._progress = progress
 
     def read_data(self, plan: Any, planner: Any) -> Future:
         from safetensors import safe_open
+        from tqdm import tqdm  # Lightning depends on tqdm
 
-        for item in plan.items:
+        # Rank 0's share stands for all; shown only when the load takes more than a couple of seconds.
+        items = tqdm(plan.items, desc="Loading pretrained weights", unit="tensor", delay=2.0,
+                     disable=not self._progress, leave=False)
+        for item in items:
             info = self.storage_data[item.storage_index]
             region = tuple(slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths))
             with safe_open(info.relative_path, framework="pt") as file:
