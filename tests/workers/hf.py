@@ -237,6 +237,8 @@ def trainer_finetune_exports_what_from_pretrained_reads_exactly():
         cfg.save_pretrained(indexed)
     dist.barrier()
     assert (indexed / "model.safetensors.index.json").is_file()
+    # The names are the Hugging Face class's own, with no key mapping left for from_pretrained to do.
+    assert sorted(load_file(single / "model.safetensors")) == sorted(trained)
     results = {}
     for where in (single, indexed):
         reloaded = LlamaForCausalLM.from_pretrained(where)
