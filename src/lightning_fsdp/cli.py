@@ -2,7 +2,8 @@
 the memory of a run before launching it.
 
     lightning-fsdp inspect PATH [--tensors] [--json] [--verify]
-    lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY] [--overwrite]
+    lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY]
+                           [--strip-prefix PREFIX] [--overwrite]
     lightning-fsdp plan --model MODULE:FACTORY --inputs MODULE:FACTORY --world-size N [strategy options] [--json]
 
 ``plan`` is :mod:`lightning_fsdp.planner.command`.
@@ -14,8 +15,8 @@ the fix; 1 when the system fails the conversion (a full disk, a permission), or 
 bytes that do not match their checksums, also as one line; 130 when interrupted.
 A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
 
-The progress bar goes to stderr while ``convert`` runs, when stderr is a terminal; ``--progress`` shows it
-anyway (in a log file, say) and ``--no-progress`` hides it.
+The progress bar (tqdm) goes to stderr while ``convert`` runs, when stderr is a terminal and the conversion takes
+more than a second; ``--progress`` shows it at once and anyway (in a log file, say) and ``--no-progress`` hides it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional
 
 from lightning_fsdp.checkpoint.checksums import ChecksumError, verify_checkpoint
-from lightning_fsdp.checkpoint.convert import FORMATS, UsageError, convert, describe, open_checkpoint, parse_size
+from lightning_fsdp.checkpoint.convert import (
+    FORMATS,
+    UsageError,
+    convert,
+    describe,
+    export_prefix,
+    open_checkpoint,
+    parse_size,
+)
 from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]
@@ -93,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", metavar="KEY",
                       help="safetensors only: export just this model, with unprefixed names (default: every model,"
                            " names prefixed with the model's key when there are several)")
+    conv.add_argument("--strip-prefix", metavar="PREFIX",
+                      help="safetensors only: remove PREFIX from every weight name, e.g. `model.` for a Trainer"
+                           " checkpoint whose LightningModule holds the Hugging Face model as `self.model`. Default:"
+                           " detected for Trainer checkpoints whose names all start with one attribute; '' keeps"
+                           " the names")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never non-checkpoint files)")
     conv.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help="show a progress bar on stderr (default: when stderr is a terminal)")
@@ -126,11 +139,18 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    source: Any = args.src
+    prefix, what = args.strip_prefix, ""
+    if args.to == "safetensors":
+        # Open first to settle the names, so the report says exactly what the export did.
+        source = open_checkpoint(args.src, allow_pickle=args.allow_pickle)
+        prefix, what = export_prefix(source, model=args.model, strip_prefix=args.strip_prefix)
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    bar = _Bar(f"{args.to:<11}", sys.stderr) if show else None
+    bar = _bar(args.to, immediate=bool(args.progress)) if show else None
     try:
-        target = convert(args.src, args.dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
-                         overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar)
+        target = convert(source, args.dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
+                         overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar,
+                         strip_prefix=prefix)
     except OSError as err:
         if err.filename is None and err.errno is not None:  # DCP's writers report a full disk without the file
             raise OSError(err.errno, f"{err.strerror} while writing {args.dst!r}") from err
@@ -138,7 +158,7 @@ def _convert(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"wrote {target} ({args.to})")
+    print(f"wrote {target} ({args.to}{'; ' + what if what else ''})")
     return 0
 
 
@@ -180,31 +200,24 @@ def _bytes(count: float) -> str:
     return f"{count:.1f} TB"
 
 
-class _Bar:
-    """A one-line progress bar, redrawn in place at most ten times a second; no dependency."""
+class _TqdmProgress:
+    """The ``(done, total)`` progress callback of :func:`convert`, drawn by tqdm on stderr in bytes."""
 
-    def __init__(self, label: str, stream: TextIO, width: int = 30) -> None:
-        self.label, self.stream, self.width = label, stream, width
-        self.last = 0.0
-        self.state = self.drawn = (0, -1)
+    def __init__(self, label: str, delay: float) -> None:
+        from tqdm import tqdm  # Lightning depends on tqdm
+
+        self._bar = tqdm(desc=label, unit="B", unit_scale=True, unit_divisor=1000, delay=delay, file=sys.stderr,
+                         dynamic_ncols=True, leave=True)
 
     def __call__(self, done: int, total: int) -> None:
-        self.state = (done, total)
-        now = time.monotonic()
-        if now - self.last >= 0.1 or done == total:
-            self.last = now
-            self._draw()
-
-    def _draw(self) -> None:
-        done, total = self.drawn = self.state
-        fraction = done / total if total else 1.0
-        filled = int(fraction * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label} {fraction:4.0%} [{bar}] {_bytes(done)} / {_bytes(total)}")
-        self.stream.flush()
+        if self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        if self.drawn != self.state:
-            self._draw()
-        self.stream.write("\n")
-        self.stream.flush()
+        self._bar.close()
+
+
+def _bar(label: str, *, immediate: bool) -> Callable[[int, int], None]:
+    # On a terminal, a conversion of a moment shows nothing; `--progress` shows the bar at once.
+    return _TqdmProgress(label, delay=0.0 if immediate else 1.0)

@@ -5,6 +5,8 @@
 - :mod:`.save` and :mod:`.load` write and read them; :mod:`.full_writer` streams full files one tensor at a time.
 - :mod:`.atomic` makes every save replace the previous checkpoint only once the new one is complete.
 - :mod:`.agreement` makes a failure on one rank an error on every rank.
+- :mod:`.convert` is the offline ``convert``/``inspect`` command's glue over :mod:`.readers` (open a checkpoint,
+  read its tensors a batch at a time), :mod:`.writers` (full, sharded, safetensors output) and :mod:`.memory`.
 """
 
 from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import atomic, checksums
+from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
 from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
@@ -70,6 +70,9 @@ def _load(
     if comm.global_rank == 0:
         atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
     comm.barrier()
+    if isinstance(state, Module) and hf.is_hf_checkpoint(source):  # Hugging Face weights, e.g. to fine-tune
+        hf.load_pretrained_weights(source, state, strict=strict, comm=comm)
+        return {}
     sharded = together(comm, f"Opening the checkpoint {str(source)!r}", lambda: _detect(source))
     if isinstance(state, Optimizer):
         raise NotImplementedError(
@@ -115,6 +118,12 @@ def _detect(source: Path) -> bool:
         return True
     if is_full_checkpoint(source):
         return False
+    if hf.is_hf_checkpoint(source):
+        raise ValueError(
+            f"{str(source)!r} holds Hugging Face safetensors weights, which load into one model, not into a state"
+            " dict. HINT: load them into the model alone: `fabric.load_raw(path, model)`, or"
+            " `lightning_fsdp.load_pretrained(model, path)`."
+        )
     if source.is_file():
         raise ValueError(
             f"{str(source)!r} is not a torch.save zip archive, so it is not a full checkpoint; it may be truncated or"

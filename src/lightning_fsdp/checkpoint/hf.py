@@ -1,0 +1,252 @@
+"""Loading Hugging Face safetensors weights (``save_pretrained`` output) straight into a sharded model.
+
+The usual start of a fine-tune: build the model on the meta device, shard it, then read the pretrained weights.
+The source is one ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (several files)
+or a single ``model.safetensors``.
+
+Each rank reads only the slices of its own shards, through DCP with torch's Hugging Face storage reader: DCP plans
+which slice of which file lands in which local shard, and the reader copies each slice into place, converting the
+dtype on the way (a bf16 file into fp32 parameters, and back). Peak host memory per rank is therefore its shards
+plus about one tensor's slice, never the whole model.
+
+Parameter names are compared the way ``from_pretrained`` compares them: a weight of the model that the files lack
+is *missing*, a tensor of the files the model lacks is *unexpected*, and tied parameters (an ``lm_head`` sharing
+the input embedding) count as present when any of their names is in the files. ``strict=True`` makes missing or
+unexpected names an error that lists them; otherwise they are reported as a warning on rank 0, like
+``from_pretrained``'s load report. A shape that differs is always an error: it cannot be loaded into a shard.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.futures import Future
+from torch.nn import Module
+
+from lightning_fsdp.checkpoint.agreement import Communicator, together
+
+__all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
+
+INDEX_FILENAME = "model.safetensors.index.json"
+SINGLE_FILENAME = "model.safetensors"
+_SUFFIX = ".safetensors"
+# Module wrappers that add a segment to parameter names but not to state-dict keys (activation checkpointing,
+# torch.compile); state-dict keys are what the files use.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+@dataclass
+class LoadReport:
+    """What a pretrained load matched, as ``from_pretrained(..., output_loading_info=True)`` reports it."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    loaded_keys: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, list[str]]:
+        return {"missing_keys": self.missing_keys, "unexpected_keys": self.unexpected_keys}
+
+    def render(self, model: Module, path: Path) -> str:
+        """The warning text: one line per group of names, layer indices folded (``layers.{0, 1}.mlp.up.weight``)."""
+        lines = [f"{_class_name(model)} LOAD REPORT from: {path}"]
+        lines += [f"  MISSING     {name}" for name in _fold(self.missing_keys)]
+        lines += [f"  UNEXPECTED  {name}" for name in _fold(self.unexpected_keys)]
+        if self.missing_keys:
+            lines.append("MISSING: these weights were not in the files and keep their initial values.")
+        if self.unexpected_keys:
+            lines.append("UNEXPECTED: these tensors of the files match no weight of the model and were not read.")
+        return "\n".join(lines)
+
+
+def is_hf_checkpoint(path: Union[str, Path]) -> bool:
+    """A ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` or ``model.safetensors``."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == _SUFFIX
+    return path.is_dir() and ((path / INDEX_FILENAME).is_file() or (path / SINGLE_FILENAME).is_file())
+
+
+def safetensors_files(path: Union[str, Path]) -> list[Path]:
+    """The files of a safetensors checkpoint: the file itself, those its index names, or ``model.safetensors``."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    index = path / INDEX_FILENAME
+    if not index.is_file():
+        return [path / SINGLE_FILENAME]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"{str(index)!r} is not a safetensors index (expected JSON with a 'weight_map' of tensor name to file"
+            f" name): {err}. HINT: re-create it with `save_pretrained`, or delete it to load {SINGLE_FILENAME}."
+        ) from err
+    files = [path / name for name in names]
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        raise FileNotFoundError(
+            f"the index {str(index)!r} names files that are not there: {absent}. HINT: the download or copy is"
+            " incomplete; fetch the missing files."
+        )
+    return files
+
+
+def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: bool, comm: Communicator) -> LoadReport:
+    """Read the safetensors weights at ``path`` into ``module`` (sharded or not), each rank its own slices.
+
+    Returns the :class:`LoadReport` on every rank. Raises on every rank alike when a file cannot be read, a shape
+    differs, or (``strict=True``) a name is missing or unexpected.
+    """
+    source = Path(comm.broadcast(str(path)))
+    files = together(comm, f"Finding the safetensors files of {str(source)!r}", lambda: safetensors_files(source))
+    reader = _SafetensorsReader(files, progress=comm.global_rank == 0)
+    # Every rank reads the headers itself (a few kB each), so every rank can plan its own reads.
+    metadata: Metadata = together(comm, f"Reading the safetensors headers of {str(source)!r}", reader.read_metadata)
+    state = get_model_state_dict(module)
+    report, load_names = _match(state, metadata, _tied_names(module))
+    if strict and (report.missing_keys or report.unexpected_keys):
+        raise KeyError(
+            f"Loading {str(source)!r} into {_class_name(module)} with `strict=True`: missing keys"
+            f" {report.missing_keys}, unexpected keys {report.unexpected_keys}. HINT: pass `strict=False` to load"
+            " the weights that match and keep the initial values of the rest (the names are reported as a warning)."
+        )
+    chosen = {name: state[name] for name in load_names}
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
+    together(comm, f"Reading the weights of {str(source)!r}",
+             lambda: dcp.load(chosen, storage_reader=reader, planner=planner))
+    # DCP wrote into the local shards in place; this also fills the tied names from the one that was read.
+    set_model_state_dict(module, {**state, **chosen}, options=StateDictOptions(strict=False))
+    if comm.global_rank == 0 and (report.missing_keys or report.unexpected_keys):
+        warnings.warn(report.render(module, source), stacklevel=3)
+    return report
+
+
+class _SafetensorsReader(HuggingFaceStorageReader):
+    """torch's Hugging Face reader, restricted to the checkpoint's own files and holding one slice at a time.
+
+    - torch's reader lists every ``.safetensors`` file in the directory; a directory may hold more than one
+      checkpoint (``model.safetensors`` beside an indexed set, or a single file chosen among others).
+    - torch's reader keeps each file open while it reads all of this rank's slices from it. A file is mapped, and
+      every page a mapping touched stays resident until it closes, so a 10 GB file would cost this rank its whole
+      share of those 10 GB on top of its shards. Here each slice opens the file anew: the header costs a few kB
+      per read, and at most one slice is resident at a time.
+    """
+
+    def __init__(self, files: list[Path], *, progress: bool) -> None:
+        super().__init__(str(files[0].parent))
+        self.fs = _Listing(self.fs, files)
+        self._progress = progress
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        from safetensors import safe_open
+        from tqdm import tqdm  # Lightning depends on tqdm
+
+        # Rank 0's share stands for all; shown only when the load takes more than a couple of seconds.
+        items = tqdm(plan.items, desc="Loading pretrained weights", unit="tensor", delay=2.0,
+                     disable=not self._progress, leave=False)
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            region = tuple(slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths))
+            with safe_open(info.relative_path, framework="pt") as file:
+                piece = file.get_slice(item.storage_index.fqn)[region]
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(piece)  # converts the dtype too: a bf16 file into fp32 parameters, or back
+            planner.commit_tensor(item, target)
+            del piece
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+class _Listing:
+    """DCP's file system object, except that listing the directory yields only the chosen files."""
+
+    def __init__(self, fs: Any, files: list[Path]) -> None:
+        self._fs = fs
+        self._files = [str(f) for f in files]
+
+    def ls(self, path: Any) -> list[str]:
+        return list(self._files)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def _match(state: dict[str, Any], metadata: Metadata, tied: list[set[str]]) -> tuple[LoadReport, list[str]]:
+    """Compare the model's names and shapes with the files'; return the report and the names to read."""
+    stored = metadata.state_dict_metadata
+    shapes = {name: tuple(getattr(value, "shape", ())) for name, value in state.items()}
+    mismatched = [
+        f"{name}: file {tuple(stored[name].size)}, model {shapes[name]}"
+        for name in state if name in stored and tuple(stored[name].size) != shapes[name]
+    ]
+    if mismatched:
+        raise ValueError(
+            f"these weights have another shape in the files than in the model: {mismatched}. HINT: build the model"
+            " from the config saved with the weights (`AutoConfig.from_pretrained(path)`)."
+        )
+    group_of = {name: group for group in tied for name in group}
+    loaded = [name for name in state if name in stored]
+    covered = set(loaded) | {other for name in loaded for other in group_of.get(name, ())}
+    # Of a tied group, read one name only: they share one tensor, and two reads into it would be redundant.
+    reading: list[str] = []
+    seen: set[str] = set()
+    for name in loaded:
+        if name not in seen:
+            reading.append(name)
+            seen.update(group_of.get(name, {name}))
+    report = LoadReport(
+        missing_keys=[name for name in state if name not in covered],
+        unexpected_keys=sorted(name for name in stored if name not in state),
+        loaded_keys=loaded,
+    )
+    return report, reading
+
+
+def _tied_names(module: Module) -> list[set[str]]:
+    """Groups of state-dict names that are one parameter (tied weights), with wrapper segments removed."""
+    by_param: dict[int, set[str]] = defaultdict(set)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_param[id(param)].add(_clean(name))
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def _class_name(module: Module) -> str:
+    """The user's class name: ``fully_shard`` swaps in a subclass named ``FSDP<name>``."""
+    cls = type(module)
+    return cls.__bases__[0].__name__ if isinstance(module, FSDPModule) and cls.__bases__ else cls.__name__
+
+
+def _clean(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _fold(names: Iterable[str]) -> list[str]:
+    """``layers.0.x``, ``layers.1.x`` -> ``layers.{0, 1}.x``, as ``from_pretrained``'s report writes them."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    order: list[str] = []
+    for name in names:
+        match = _INDEX.search(name)
+        key = _INDEX.sub(".*.", name, count=1) if match else name
+        if key not in groups:
+            order.append(key)
+        if match:
+            groups[key].append(int(match.group(1)))
+    return [key.replace(".*.", "." + (str(groups[key][0]) if len(groups[key]) == 1 else
+                                      "{" + ", ".join(map(str, groups[key])) + "}") + ".", 1) for key in order]

@@ -1,0 +1,182 @@
+"""Writing an opened checkpoint (:mod:`.readers`) as a full file, a sharded directory or a safetensors export.
+
+Each writer reads tensors from the source a little at a time and writes and frees each before more are read, so
+peak memory is about one read batch plus what the writer must hold: one tensor for a full file (streamed by
+:func:`~lightning_fsdp.checkpoint.full_writer.write_streaming`), one shard for safetensors, one tensor for DCP
+(see :class:`_StreamingSavePlanner`). Each writes into a staging path that the caller moves into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
+from lightning_fsdp.checkpoint.full_writer import write_streaming
+from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
+from lightning_fsdp.checkpoint.memory import drop_file_pages
+from lightning_fsdp.checkpoint.readers import (
+    Checkpoint,
+    TensorEntry,
+    UsageError,
+    _batches,
+    _FullCheckpoint,
+    _map_leaves,
+    _single_process,
+)
+
+__all__ = ["write_full", "write_sharded", "write_safetensors", "export_name", "Progress", "SAFETENSORS_FILENAME",
+           "SAFETENSORS_INDEX_FILENAME"]
+
+SAFETENSORS_FILENAME = "model.safetensors"
+SAFETENSORS_INDEX_FILENAME = "model.safetensors.index.json"
+_SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes written, bytes in total) as tensors are written."""
+
+
+def write_full(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress]) -> None:
+    """Stream tensors into one torch.save file: the skeleton holds meta-device stand-ins, and each one is read
+    from the source only when the writer reaches it."""
+    entries = checkpoint.tensors()
+    stand_ins: dict[int, TensorEntry] = {}
+
+    def stand_in(entry: TensorEntry) -> torch.Tensor:
+        tensor = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        stand_ins[id(tensor)] = entry
+        return tensor
+
+    skeleton = _map_leaves(checkpoint.tree, lambda leaf: stand_in(leaf) if isinstance(leaf, TensorEntry) else leaf)
+    overlap = sorted(set(skeleton) & set(checkpoint.metadata), key=str)
+    if overlap:
+        raise UsageError(f"{str(checkpoint.path)!r} has the key {overlap[0]!r} both in its shards and in"
+                         f" {METADATA_FILENAME}, and a full file can hold only one. HINT: rename one of them.")
+    reading = checkpoint.read(entries)
+    meter = _Meter(entries, progress)
+
+    def materialize(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in stand_ins:
+            return tensor  # a tensor among the metadata entries, already loaded
+        entry, value = next(reading)
+        if stand_ins[id(tensor)] is not entry:  # the writer walks the skeleton in the order `tensors()` lists
+            raise RuntimeError(f"internal error: expected {entry.name}, the writer asked for another tensor")
+        meter.add(entry)
+        return value
+
+    write_streaming(staged, {**skeleton, **checkpoint.metadata}, materialize)
+
+
+def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress]) -> None:
+    assert isinstance(checkpoint, _FullCheckpoint)  # the only other format, checked by `convert`
+    contents = checkpoint.load()  # memory-mapped: DCP touches each tensor only as it writes it
+    if checkpoint.bare:
+        contents = {"model": contents}
+    state = {key: contents[key] for key in checkpoint.tree}
+    meter = _Meter(checkpoint.tensors(), progress)
+    staged.mkdir(parents=True)
+    planner = _StreamingSavePlanner(meter)
+    with _single_process():
+        dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id()), planner=planner, no_dist=True)
+    torch.save(checkpoint.metadata, staged / METADATA_FILENAME)
+
+
+class _StreamingSavePlanner(dcp.DefaultSavePlanner):
+    """DCP's default save planner for memory-mapped tensors, counting bytes as the writer asks for each one.
+
+    DCP's writer keeps a reference to every tensor it wrote until its file is complete, which keeps every page of
+    the source it touched mapped: the whole model. So each call drops the pages of the tensor handed out before,
+    which the writer has written by then (see :func:`drop_file_pages` for why this is safe at any time).
+    """
+
+    def __init__(self, meter: _Meter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.previous: Optional[torch.Tensor] = None
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if self.previous is not None:
+            drop_file_pages(self.previous)
+            self.previous = None
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor):
+            self.meter.add_bytes(data.numel() * data.element_size())
+            self.previous = data
+        return data
+
+
+def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, single_file: bool,
+                       max_shard_size: Optional[int], progress: Optional[Progress], strip_prefix: str = "") -> None:
+    """Write the weights of the models ``keys``; one model's names lose ``strip_prefix`` (checked by the caller)."""
+    from safetensors.torch import save_file
+
+    prefixed = len(keys) > 1
+    entries = checkpoint.tensors(keys)
+    names = {id(e): export_name(e, prefixed)[len(strip_prefix):] for e in entries}
+    shards = list(_batches(entries, max_shard_size)) if max_shard_size else [entries]
+    if single_file:
+        files = [staged]
+    else:
+        staged.mkdir(parents=True)
+        single = len(shards) == 1  # like Hugging Face: one shard is a plain model.safetensors, without an index
+        files = [staged / (SAFETENSORS_FILENAME if single else _SHARD_NAME.format(index=i + 1, count=len(shards)))
+                 for i in range(len(shards))]
+    meter = _Meter(entries, progress)
+    weight_map: dict[str, str] = {}
+    for shard, file in zip(shards, files):
+        tensors: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for entry, tensor in checkpoint.read(shard):
+            # safetensors writes exactly a tensor's elements, but refuses tensors that overlap in memory: tied
+            # weights, or views of one storage that torch.save kept shared (`a = w[:6]; b = w[4:]`). A tensor gets
+            # its own copy when it is not contiguous or when an earlier one of this shard used its storage.
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in storages or not tensor.is_contiguous():
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            storages.add(tensor.untyped_storage().data_ptr())
+            tensors[names[id(entry)]] = tensor
+            weight_map[names[id(entry)]] = file.name
+        save_file(tensors, str(file), metadata={"format": "pt"})  # "pt": what transformers checks before loading
+        _umask_mode(file)
+        for entry in shard:
+            meter.add(entry)
+        del tensors  # written: free the shard before reading the next one
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+        (staged / SAFETENSORS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_name(entry: TensorEntry, prefixed: bool) -> str:
+    """The name a weight gets in a safetensors export: its flat name, without the model's key unless several
+    models are exported together."""
+    return ".".join(str(p) for p in (entry.path if prefixed else entry.path[1:]))
+
+
+def _umask_mode(file: Path) -> None:
+    """safetensors (0.8) creates its files readable by their owner only; give them the mode any new file gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+
+
+class _Meter:
+    """Counts written bytes for a progress callback."""
+
+    def __init__(self, entries: list[TensorEntry], progress: Optional[Progress]) -> None:
+        self.total = sum(e.nbytes for e in entries)
+        self.done = 0
+        self.progress = progress
+        self.add_bytes(0)
+
+    def add(self, entry: TensorEntry) -> None:
+        self.add_bytes(entry.nbytes)
+
+    def add_bytes(self, count: int) -> None:
+        self.done += count
+        if self.progress is not None:
+            self.progress(self.done, self.total)
