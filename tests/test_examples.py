@@ -1,6 +1,7 @@
 """The pattern examples in ``examples/patterns`` run end to end on 2 CPU processes, as the README says."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,15 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
 )
 def test_pattern_example_runs(script, expected, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    log = proc.stdout + proc.stderr
+    # Its own session: Fabric starts the second rank as a child, and a timeout must end both, not leave that rank
+    # holding the output pipe open.
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"{script} did not finish in 600 s:\n{log[-4000:]}") from None
     assert proc.returncode == 0, log[-4000:]
     assert expected in log, log[-4000:]

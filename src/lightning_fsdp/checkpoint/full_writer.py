@@ -17,7 +17,9 @@ record must hold exactly those bytes and no others: see :func:`_element_bytes`.
 from __future__ import annotations
 
 import collections
+import errno
 import io
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -80,12 +82,12 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
                     error = err
                 del value  # free before the next tensor is produced
     except Exception as err:  # noqa: BLE001 - closing the archive failed (the first error wins)
-        error = error or err
+        error = _first_explaining(error, err)
     finally:
         try:
             stream.close()
         except Exception as err:  # noqa: BLE001 - the final flush failed
-            error = error or err
+            error = _first_explaining(error, err)
     if error is not None:
         _raise_explained(error, path)
 
@@ -99,12 +101,43 @@ def save_file(obj: Any, path: Path) -> None:
         _raise_explained(err, path)
 
 
+def _first_explaining(first: Optional[BaseException], later: BaseException) -> BaseException:
+    """The first error, unless only the later one says why (an OSError from the final flush of a full disk)."""
+    if first is None or (_os_error_in(first) is None and _os_error_in(later) is not None):
+        return later
+    return first
+
+
+def _os_error_in(error: BaseException) -> Optional[OSError]:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _raise_explained(error: BaseException, path: Path) -> None:
-    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``."""
-    cause = error if isinstance(error, OSError) else error.__context__
-    if isinstance(cause, OSError) and cause.errno is not None:
+    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``.
+
+    torch's zip writer checks how far each write got, and when the disk fills up inside a buffered write it reports
+    only "unexpected pos" with no OSError behind it: then a filesystem with no free blocks is named as the cause.
+    """
+    cause = _os_error_in(error)
+    if cause is not None:
         raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
+    if "unexpected pos" in str(error) and _no_space_left(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
     raise error
+
+
+def _no_space_left(path: Path) -> bool:
+    try:
+        stats = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < 64 * 1024
 
 
 def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> None:
