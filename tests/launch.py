@@ -53,6 +53,10 @@ class Launch:
     out: Path
     world_size: int
     log: str
+    # torchrun's exit status (None for launches that do not report one). Every rank writing a passing result is
+    # not enough: a rank that crashes at exit, after its last result file, makes torchrun exit non-zero, and a
+    # user's script, CI and the benchmarks would see that exit code.
+    returncode: int | None = None
 
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"
@@ -68,7 +72,17 @@ class Launch:
             if not record["ok"]:
                 pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}")
             details.append(record["details"])
+        if self.returncode not in (0, None) and not self._a_case_failed():
+            pytest.fail(
+                f"case {name!r} passed on every rank, but the launch exited with status {self.returncode} although"
+                f" no case failed (a crash at exit?); launch log tail:\n{self.log[-6000:]}"
+            )
         return details
+
+    def _a_case_failed(self) -> bool:
+        """Whether a rank meant to exit 1 because a case failed: that case reports it, the others need not."""
+        markers = [self.out / f"_exit.rank{rank}.json" for rank in range(self.world_size)]
+        return any(m.is_file() and json.loads(m.read_text())["code"] != 0 for m in markers)
 
 
 def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
@@ -76,7 +90,7 @@ def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
     proc = subprocess.run(
         torchrun(script, nproc), env=worker_env(out, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
-    return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr)
+    return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr, returncode=proc.returncode)
 
 
 def case_tests(script: str, nproc: int, cases: list[str]):

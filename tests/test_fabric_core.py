@@ -11,6 +11,8 @@ CASES = [
     "parity_no_shard_activation_checkpointing",
     "parity_cpu_offload",
     "parity_reshard_after_forward_override",
+    "reshard_after_forward_false_keeps_full_shard_blocks_gathered",
+    "grad_reduce_dtype_follows_the_precision_table",
     "mixed_precision_policy_overrides_the_precision_setting",
     "parity_bf16_mixed",
     "parity_16_mixed_with_loss_scaler",

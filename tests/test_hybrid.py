@@ -38,7 +38,9 @@ def two_nodes(tmp_path_factory):
         for rank in (0, 1)
     ]
     logs = [node.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for node in nodes]
-    return Launch(out=out, world_size=4, log="\n".join(logs))
+    # Both simulated nodes must exit 0: the worse of the two exit codes is the launch's.
+    worst = max((node.returncode for node in nodes), key=lambda rc: rc != 0)
+    return Launch(out=out, world_size=4, log="\n".join(logs), returncode=worst)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -15,7 +15,7 @@ def _run(root, tmp_path, name, steps):
         env=worker_env(out, LFSDP_KILL_DIR=str(root), LFSDP_KILL_STEPS=steps),
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
-    return proc, Launch(out=out, world_size=2, log=proc.stdout + proc.stderr)
+    return proc, Launch(out=out, world_size=2, log=proc.stdout + proc.stderr, returncode=proc.returncode)
 
 
 def test_killed_saves_never_cost_the_previous_checkpoint(tmp_path):
@@ -30,8 +30,12 @@ def test_killed_saves_never_cost_the_previous_checkpoint(tmp_path):
     for i, (steps, killed) in enumerate(sequence):
         proc, result = _run(root, tmp_path, f"launch{i}", steps)
         if killed:
-            # The verify step runs before the kill: had it failed, the case would have ended there, unkilled.
-            assert proc.returncode != 0 and "killed" in result.log, f"launch {i} ({steps}):\n{result.log[-3000:]}"
+            # The verify step runs before the kill: had it failed, the case would have ended there, unkilled. The
+            # marker is written right before `os._exit`, at the intended point, so any other death is no pass.
+            point = steps.rsplit("kill:", 1)[1]
+            marker = root / f"killed-{point}"
+            assert proc.returncode != 0 and marker.is_file(), f"launch {i} ({steps}):\n{result.log[-3000:]}"
+            marker.unlink()
         else:
             details = result.check("run_steps")
             assert details[0] == ["verify", "save_again"], details

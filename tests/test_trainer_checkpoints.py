@@ -18,6 +18,7 @@ TWO_RANK_CASES = [
     "async_sharded_saves_are_complete_after_fit",
     "compiled_model_checkpoint_has_clean_keys",
     "uneven_shapes_full_checkpoint_reads_back_exactly",
+    "full_ckpt_gathers_one_tensor_at_a_time",
 ]
 ONE_RANK_CASES = [
     "sharded_checkpoint_from_2_ranks_resumes_on_1",

@@ -40,10 +40,10 @@ def _cli(*args: str):
 
 # What each config must turn into: the YAML forms (dotted names, strings, lists, bools) reach the strategy intact.
 EXPECTED = {
-    "fsdp_cpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="32-true", checkpointing=False),
+    "fsdp_cpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="32-true", checkpointing=False, model_checkpoint=True),
     "fsdp_cpu_offload_bf16.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="full", mesh=None, offload=True, precision="bf16-mixed", checkpointing=True),
-    "hsdp_cpu.yaml": dict(sharding=ShardingStrategy.HYBRID_SHARD, state="full", mesh=(2, 2), offload=False, precision="32-true", checkpointing=False),
-    "fsdp_gpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="bf16-mixed", checkpointing=True),
+    "hsdp_cpu.yaml": dict(sharding=ShardingStrategy.HYBRID_SHARD, state="full", mesh=(2, 2), offload=False, precision="32-true", checkpointing=False, no_sync="reduce_scatter_only", accumulate=2),
+    "fsdp_gpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="bf16-mixed", checkpointing=True, async_save=True),
 }
 
 
@@ -70,6 +70,14 @@ def test_config_builds_the_strategy_it_describes(name):
         assert config.activation_checkpointing_policy.classes == (nn.TransformerEncoderLayer,)
     assert isinstance(cli.trainer.precision_plugin, FSDPTrainerPrecision)
     assert cli.trainer.precision == expected["precision"]
+    # The rest of what configs/README.md says of each config.
+    assert config.hybrid_no_sync == expected.get("no_sync", "skip_all")
+    assert config.async_save is expected.get("async_save", False)
+    assert cli.trainer.accumulate_grad_batches == expected.get("accumulate", 1)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    explicit = [c for c in cli.trainer.callbacks if type(c) is ModelCheckpoint and c.monitor == "val_loss"]
+    assert bool(explicit) is expected.get("model_checkpoint", False), cli.trainer.callbacks
 
 
 @pytest.mark.parametrize(

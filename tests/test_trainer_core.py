@@ -8,6 +8,7 @@ CASES = [
     "parity_shard_grad_op_with_dotted_name_policies",
     "parity_no_shard",
     "parity_cpu_offload",
+    "reshard_after_forward_overrides_the_sharding_strategy",
     "accumulate_grad_batches_defers_communication_and_matches",
     "clip_gradients_by_norm_matches",
     "clip_gradients_by_value_matches",

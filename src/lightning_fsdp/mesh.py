@@ -61,9 +61,13 @@ def init_process_group(
         # Binding the group to the device lets NCCL connect eagerly and avoids a device guess per collective.
         kwargs["device_id"] = device
     dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
-    if backend == "nccl":
-        # NCCL warns at exit about a group that was never destroyed.
-        atexit.register(_destroy_process_group)
+    # Destroy every group (the default one, the mesh's, the background-save group) at exit, for every backend, while
+    # the interpreter is still whole. A group left to the interpreter's own teardown is freed at an arbitrary point
+    # of it, with its C++ threads still attached; that can abort a process whose work is done ("terminate called
+    # without an active exception", torchrun then exits 1), and NCCL warns about a group never destroyed. Python
+    # joins its non-daemon threads (DCP's background writers among them) before it runs `atexit` handlers, so no
+    # background save is cut off.
+    atexit.register(_destroy_process_group)
 
 
 def _destroy_process_group() -> None:

@@ -13,7 +13,6 @@ import torch
 
 from common import full, full_params, loss_fn, make_fabric
 from harness import case, run_cases
-from lightning_fsdp.checkpoint import CheckpointError
 from models import TinyTransformer, UnevenModel, make_batch
 
 WORLD = 2
@@ -195,8 +194,30 @@ def bad_save_arguments_are_clear_errors():
     return outcomes
 
 
+def _same_error_everywhere(fabric, what: str, load, must_name: Path) -> dict:
+    """``load`` fails on every rank with the same error type and a message naming ``must_name``."""
+    start = time.monotonic()
+    try:
+        load()
+    except Exception as err:  # noqa: BLE001 - its type is compared across ranks below
+        error = err
+    else:
+        error = None
+    seen = [None] * WORLD
+    outcome = None if error is None else (type(error).__name__, str(error))
+    torch.distributed.all_gather_object(seen, outcome)
+    assert all(o is not None for o in seen), f"{what}: the load succeeded on ranks {[r for r, o in enumerate(seen) if o is None]}"
+    types = {t for t, _ in seen}
+    assert len(types) == 1, f"{what}: different errors on the ranks: {seen}"
+    unnamed = [r for r, (_, m) in enumerate(seen) if str(must_name) not in m]
+    assert not unnamed, f"{what}: the error on ranks {unnamed} does not name {must_name}: {seen}"
+    return {"type": types.pop(), "seconds": round(time.monotonic() - start, 2), "message": seen[0][1][-200:]}
+
+
 @case
 def corrupted_checkpoints_fail_on_every_rank_naming_the_file():
+    """Truncated files (each a different reader: a DCP shard, meta.pt, a full file) and a missing shard. Flipped bytes
+    and copied shards are in ``integrity.py``."""
     report = {}
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
@@ -207,25 +228,25 @@ def corrupted_checkpoints_fail_on_every_rank_naming_the_file():
     full_path = root / "full.pt"
     full_fabric.save(full_path, {"model": model, "optimizer": opt})
     fabric.barrier()
+    # Each victim, and what the error must name: the file itself, except for meta.pt, whose reader names the
+    # checkpoint directory.
     victims = {
-        "shard": sharded / "__1_0.distcp",  # read by rank 1 only... and by rank 0 for its own pieces? either way
-        "meta": sharded / "meta.pt",
-        "full": full_path,
+        "truncated shard": (sharded / "__1_0.distcp", sharded / "__1_0.distcp"),
+        "truncated meta": (sharded / "meta.pt", sharded),
+        "truncated full": (full_path, full_path),
+        "missing shard": (sharded / "__0_0.distcp", sharded / "__0_0.distcp"),
     }
-    for label, victim in victims.items():
+    for label, (victim, named) in victims.items():
         if fabric.global_rank == 0:
             data = victim.read_bytes()
-            victim.write_bytes(data[: len(data) // 2])
+            if label.startswith("missing"):
+                victim.unlink()
+            else:
+                victim.write_bytes(data[: len(data) // 2])
         fabric.barrier()
-        target = full_path if label == "full" else sharded
-        start = time.monotonic()
-        try:
-            fabric.load(target, {"model": model, "optimizer": opt})
-            raise AssertionError(f"{label}: a truncated checkpoint loaded")
-        except (CheckpointError, ValueError, RuntimeError) as err:
-            message = str(err)
-            assert str(target) in message, f"{label}: the error does not name the checkpoint: {message}"
-            report[label] = {"type": type(err).__name__, "seconds": round(time.monotonic() - start, 2)}
+        target = full_path if label == "truncated full" else sharded
+        report[label] = _same_error_everywhere(
+            fabric, label, lambda: fabric.load(target, {"model": model, "optimizer": opt}), named)
         if fabric.global_rank == 0:
             victim.write_bytes(data)
         fabric.barrier()
@@ -307,15 +328,40 @@ def plain_single_device_checkpoint_loads_into_the_sharded_model():
 
 @case
 def async_save_returns_early_and_the_checkpoint_is_complete():
+    import threading
+
+    import torch.distributed.checkpoint.filesystem as fs
+
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
     _train(fabric, model, opt)
     root = _dir(fabric)
-    fabric.save(root / "first", {"model": model, "optimizer": opt, "step": 2})
-    first_params, first_opt = full_params(model), _opt_state(opt)
-    in_flight = fabric.strategy._background_saves.in_flight
-    _train(fabric, model, opt, steps=2, start=2)  # training goes on while the write is in flight
+    # The write blocks until released, so a save that returns before the release has returned mid-write. (A
+    # synchronous save would sit in it for the 10 s timeout and return with the checkpoint in place.)
+    release, writing = threading.Event(), threading.Event()
+    original = fs.FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        writing.set()
+        release.wait(timeout=10)
+        return original(self, plan, planner)
+
+    fs.FileSystemWriter.write_data = slow_write
+    try:
+        fabric.save(root / "first", {"model": model, "optimizer": opt, "step": 2})
+        returned_mid_write = not release.is_set() and not (root / "first").exists()
+        in_flight = fabric.strategy._background_saves.in_flight
+        assert returned_mid_write and in_flight, (
+            f"the async save returned only after its write (in flight: {in_flight})")
+        assert writing.wait(timeout=10), "the background write never started"
+        first_params, first_opt = full_params(model), _opt_state(opt)
+        _train(fabric, model, opt, steps=2, start=2)  # training goes on while the write is held
+        assert not (root / "first").exists(), "the checkpoint appeared before its write was released"
+    finally:
+        release.set()
+        fs.FileSystemWriter.write_data = original
     fabric.save(root / "second", {"model": model, "optimizer": opt, "step": 4})  # waits for the first first
+    assert (root / "first").is_dir(), "the next save did not wait for the first one to be moved into place"
     second_params = full_params(model)
     assert not _same(first_params, second_params), "training did not change the parameters"
     for name, params, step in (("first", first_params, 2), ("second", second_params, 4)):
@@ -325,7 +371,7 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
         assert state["step"] == step and _same(params, full_params(other)), name
         if name == "first":
             assert _same(first_opt, _opt_state(other_opt)), "optimizer state of the first save differs"
-    return {"first_save_was_in_flight": in_flight}
+    return {"returned_mid_write": returned_mid_write, "in_flight": in_flight}
 
 
 @case

@@ -42,6 +42,45 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: full(v).detach().clone() for k, v in model.state_dict().items()}
 
 
+def unit_states(model: nn.Module) -> dict[str, str]:
+    """Per FSDP unit (by module name, ``""`` for the root): ``"sharded"`` when its own parameters are DTensor shards,
+    ``"unsharded"`` when they are the gathered plain tensors FSDP2 swaps in between forward and backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = getattr(model, "module", model)  # Fabric's wrapper
+    units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    states: dict[str, set] = {}
+    for name, p in model.named_parameters():
+        owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+        states.setdefault(owner, set()).add("sharded" if isinstance(p, DTensor) else "unsharded")
+    return {u: "+".join(sorted(s)) for u, s in states.items()}
+
+
+def offload_policies(model: nn.Module) -> set[str]:
+    """The offload policy each unit was built with. FSDP2 has no public getter; on CPU the parameters live in host
+    memory either way, so the policy object is the only thing that tells whether `cpu_offload` was applied."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = getattr(model, "module", model)
+    return {type(group.offload_policy).__name__ for m in model.modules() if isinstance(m, FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups}
+
+
+class RecordingReduceScatter:
+    """Installed with the public ``FSDPModule.set_custom_reduce_scatter``: records the dtype of every gradient
+    reduce-scatter input, then runs FSDP2's default one."""
+
+    def __new__(cls, seen: list):
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        class Recording(DefaultReduceScatter):
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                seen.append(input_tensor.dtype)
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        return Recording()
+
+
 def global_batch(step: int, world_size: int) -> torch.Tensor:
     return torch.cat([make_batch(step, r) for r in range(world_size)])
 

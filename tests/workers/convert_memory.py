@@ -66,7 +66,9 @@ def measure(out: Path) -> dict:
         baseline = _kib("VmRSS")
         convert(out / source, out / target, **options)
         extra[name] = (_kib("VmHWM") - baseline) * 1024
-    return {"model_bytes": LAYERS * (WIDTH * WIDTH + WIDTH) * 4, "extra_peak_bytes": extra}
+    return {"model_bytes": LAYERS * (WIDTH * WIDTH + WIDTH) * 4, "largest_tensor_bytes": WIDTH * WIDTH * 4,
+            "shard_bytes": {name: options.get("max_shard_size", 0) for name, (_, _, options) in CONVERSIONS.items()},
+            "extra_peak_bytes": extra}
 
 
 if __name__ == "__main__":

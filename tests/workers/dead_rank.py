@@ -17,16 +17,22 @@ import torch
 
 from common import loss_fn, make_fabric
 from lightning_fsdp.checkpoint.save import sharded_model_state, write_full
+from lightning_fsdp.precision import FSDPPrecision
 from models import TinyTransformer, make_batch
 
-MODE = os.environ["LFSDP_DEAD_MODE"]  # "die" or "hang" mid-step, or "die_in_full_load"
+MODE = os.environ["LFSDP_DEAD_MODE"]  # see PHASES, or "die_in_full_load"
 TIMEOUT_S = float(os.environ["LFSDP_DEAD_TIMEOUT"])
 OUT = Path(os.environ["LFSDP_TEST_OUT"])
+# Where rank 1 stops, by mode: the survivor's next collective is in that phase of the step.
+PHASES = {"die": "forward", "hang": "forward", "die_in_backward": "backward", "die_in_step": "optimizer step",
+          "die_in_all_reduce": "all_reduce"}
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    fabric = make_fabric(2, timeout=timedelta(seconds=TIMEOUT_S))
+    # Under 16-mixed the optimizer step all-reduces the loss scaler's found-inf flag: a collective to die in.
+    plugins = [FSDPPrecision("16-mixed")] if MODE == "die_in_step" else None
+    fabric = make_fabric(2, plugins=plugins, timeout=timedelta(seconds=TIMEOUT_S))
     torch.manual_seed(0)
     plain = TinyTransformer()
     model, opt = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
@@ -36,15 +42,23 @@ def main() -> None:
     if MODE == "die_in_full_load":
         _die_in_full_load(fabric, model, opt)
         return
-    if fabric.global_rank == 1:
-        if MODE == "die":
-            os._exit(3)
-        time.sleep(10 * TIMEOUT_S + 60)
-        return
     start = time.monotonic()
     record = {"raised": None}
     try:
-        fabric.backward(loss_fn(model, make_batch(1, 0)))
+        loss = None if MODE in ("die", "hang") else loss_fn(model, make_batch(1, fabric.global_rank))
+        if MODE in ("die_in_step", "die_in_all_reduce"):
+            fabric.backward(loss)
+        if fabric.global_rank == 1:
+            if MODE == "hang":
+                time.sleep(10 * TIMEOUT_S + 60)
+            os._exit(3)
+        start = time.monotonic()
+        if loss is None:
+            loss = loss_fn(model, make_batch(1, 0))
+        if MODE not in ("die_in_step", "die_in_all_reduce"):
+            fabric.backward(loss)
+        if MODE == "die_in_all_reduce":
+            fabric.all_reduce(loss.detach())
         opt.step()
         fabric.barrier()
     except BaseException as err:  # noqa: BLE001 - any exception is what we want to see

@@ -24,8 +24,11 @@ from common import (
     make_fabric,
     max_param_diff,
     model_and_reference,
+    offload_policies,
     reference_run,
+    RecordingReduceScatter,
     sgd,
+    unit_states,
 )
 from harness import case, run_cases
 from lightning_fsdp.precision import DTensorGradScaler, FSDPPrecision
@@ -36,10 +39,36 @@ WORLD = 2
 ATOL = 1e-5
 
 
-def _parity(**strategy_kwargs):
+TINY_BLOCKS = ("blocks.0", "blocks.1")
+
+
+def _states_after_a_training_forward(fabric) -> dict:
+    """Unit states after a forward with autograd on, in training mode (backward pending), and after the backward.
+    Parity cannot tell whether `reshard_after_forward` was applied; this can."""
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, sgd(plain))
+    loss = loss_fn(model, make_batch(0, fabric.global_rank))
+    after_forward = unit_states(model)
+    fabric.backward(loss)
+    after_backward = unit_states(model)
+    assert set(after_backward.values()) == {"sharded"}, f"not every unit resharded after backward: {after_backward}"
+    return after_forward, offload_policies(model)
+
+
+def _parity(blocks_after_forward="sharded", **strategy_kwargs):
     from lightning_fsdp._compat import CheckpointWrapper
 
     fabric = make_fabric(WORLD, **strategy_kwargs)
+    states, offload = _states_after_a_training_forward(fabric)
+    # The root keeps its parameters gathered after forward (FSDP2 does not reshard it: backward starts there),
+    # unless `reshard_after_forward=True` is given explicitly, which FSDP2 applies to the root too.
+    root = "sharded" if strategy_kwargs.get("reshard_after_forward") is True else "unsharded"
+    expected = {"": root, **{b: blocks_after_forward for b in TINY_BLOCKS}}
+    if strategy_kwargs.get("sharding_strategy") != "NO_SHARD":  # replicated: nothing to reshard
+        assert states == expected, f"units after a training forward: {states}, expected {expected}"
+    expected_offload = {"CPUOffloadPolicy" if strategy_kwargs.get("cpu_offload") else "OffloadPolicy"}
+    assert offload == expected_offload, f"offload policies of the units: {offload}, expected {expected_offload}"
     model, losses, _ = fsdp_run(fabric, STEPS)
     reference, ref_losses, _ = reference_run(STEPS, WORLD, sgd)
     result = compare(model, reference, losses, ref_losses, ATOL)
@@ -48,7 +77,7 @@ def _parity(**strategy_kwargs):
         assert len(checkpointed) == 2, f"expected both blocks checkpointed, got {checkpointed}"
     else:
         assert not checkpointed, checkpointed
-    return {**result, "checkpointed": len(checkpointed)}
+    return {**result, "checkpointed": len(checkpointed), "after_forward": states}
 
 
 @case
@@ -63,12 +92,12 @@ def parity_full_shard_activation_checkpointing():
 
 @case
 def parity_shard_grad_op():
-    return _parity(sharding_strategy="SHARD_GRAD_OP")
+    return _parity("unsharded", sharding_strategy="SHARD_GRAD_OP")
 
 
 @case
 def parity_shard_grad_op_activation_checkpointing():
-    return _parity(sharding_strategy="SHARD_GRAD_OP", activation_checkpointing_policy="auto")
+    return _parity("unsharded", sharding_strategy="SHARD_GRAD_OP", activation_checkpointing_policy="auto")
 
 
 @case
@@ -88,7 +117,38 @@ def parity_cpu_offload():
 
 @case
 def parity_reshard_after_forward_override():
-    return _parity(sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=True)
+    # SHARD_GRAD_OP alone keeps the blocks gathered (see parity_shard_grad_op); the override reshards them.
+    return _parity("sharded", sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=True)
+
+
+@case
+def reshard_after_forward_false_keeps_full_shard_blocks_gathered():
+    fabric = make_fabric(WORLD, reshard_after_forward=False)
+    states, _ = _states_after_a_training_forward(fabric)
+    assert states == {"": "unsharded", **{b: "unsharded" for b in TINY_BLOCKS}}, states
+    return states
+
+
+@case
+def grad_reduce_dtype_follows_the_precision_table():
+    """The README's precision table: mixed settings reduce gradients in fp32, true half settings in their dtype."""
+    table = {"32-true": torch.float32, "bf16-mixed": torch.float32, "16-mixed": torch.float32,
+             "bf16-true": torch.bfloat16, "16-true": torch.float16}
+    report = {}
+    for precision, expected in table.items():
+        fabric = make_fabric(WORLD, plugins=[FSDPPrecision(precision)])
+        torch.manual_seed(0)
+        with fabric.init_module():
+            plain = TinyTransformer()
+        model = fabric.setup_module(plain)
+        seen: list = []
+        for unit in model.module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_custom_reduce_scatter(RecordingReduceScatter(seen))
+        fabric.backward(loss_fn(model, make_batch(0, fabric.global_rank)))
+        assert len(seen) == 3 and set(seen) == {expected}, f"{precision}: reduce-scatter inputs {seen}, expected {expected}"
+        report[precision] = str(expected)
+    return report
 
 
 @case
@@ -389,8 +449,23 @@ def save_and_load_after_a_forward_without_backward():
         model(make_batch(1, fabric.global_rank)[:, :-1])
     path = Path(fabric.broadcast(tempfile.mkdtemp())) / "after-eval"
     fabric.save(path, {"model": model, "optimizer": opt})
-    fabric.load(path, {"model": model, "optimizer": opt})
+    saved, saved_opt = full_params(model), _full_opt_state(opt)
+    # Into a fresh model and optimizer holding other values: a load that restored nothing cannot pass.
+    torch.manual_seed(7)
+    plain = TinyTransformer()
+    fresh, fresh_opt = fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    assert not all(torch.equal(saved[k], v) for k, v in full_params(fresh).items())
+    fabric.load(path, {"model": fresh, "optimizer": fresh_opt})
+    got, got_opt = full_params(fresh), _full_opt_state(fresh_opt)
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved), "parameters differ"
+    assert len(saved_opt) == 3 * len(saved), sorted(saved_opt)  # step, exp_avg, exp_avg_sq per parameter
+    assert got_opt.keys() == saved_opt.keys() and all(torch.equal(got_opt[k], saved_opt[k]) for k in saved_opt), (
+        "optimizer state differs")
     return str(path)
+
+
+def _full_opt_state(opt) -> dict:
+    return {(i, k): full(v).clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
 
 
 @case
@@ -454,25 +529,47 @@ def collectives_work():
     return {"mean": mean.item()}
 
 
+def _targets(logits: torch.Tensor, tokens: torch.Tensor, rank: int) -> torch.Tensor:
+    """The next tokens, except that on rank r the first 2(r+1) positions of each row are what the model predicts:
+    so accuracy is far from 0 and differs between the ranks, and only a real sync can give the global value."""
+    targets = tokens[:, 1:].clone()
+    hits = 2 * (rank + 1)
+    targets[:, :hits] = logits.detach().argmax(-1)[:, :hits]
+    return targets
+
+
 @case
 def torchmetrics_follow_the_model():
     import torchmetrics
+    from torchmetrics.functional.classification import multiclass_accuracy
 
     class WithMetric(TinyTransformer):
         def __init__(self):
             super().__init__()
-            self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=32)
+            self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=32, average="micro")
 
     fabric = make_fabric(WORLD)
     torch.manual_seed(0)
     model = fabric.setup_module(WithMetric())
-    batch = make_batch(0, fabric.global_rank)
+    rank = fabric.global_rank
+    batch = make_batch(0, rank)
     logits = model(batch[:, :-1])
-    model.module.acc.update(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
+    targets = _targets(logits, batch, rank)
+    model.module.acc.update(logits.reshape(-1, 32), targets.reshape(-1))
     value = model.module.acc.compute()  # syncs metric state across ranks
     assert model.module.acc.device == fabric.device
-    assert 0.0 <= value.item() <= 1.0
-    return {"device": str(model.module.acc.device), "acc": value.item()}
+    local = multiclass_accuracy(logits.detach().reshape(-1, 32), targets.reshape(-1), num_classes=32, average="micro")
+    # The reference: one process, the same initial model, every rank's batch (functional form: no syncing).
+    torch.manual_seed(0)
+    reference = TinyTransformer()
+    with torch.no_grad():
+        parts = [(reference(make_batch(0, r)[:, :-1]), make_batch(0, r)) for r in range(WORLD)]
+    ref_logits = torch.cat([lg for lg, _ in parts])
+    ref_targets = torch.cat([_targets(lg, b, r) for r, (lg, b) in enumerate(parts)])
+    expected = multiclass_accuracy(ref_logits.reshape(-1, 32), ref_targets.reshape(-1), num_classes=32, average="micro")
+    assert abs(value.item() - expected.item()) <= 1e-6, f"synced {value.item()} != reference {expected.item()}"
+    assert abs(local.item() - expected.item()) > 0.05, "this rank alone gives the reference: the sync is unproven"
+    return {"device": str(model.module.acc.device), "acc": value.item(), "this_rank_alone": local.item()}
 
 
 @case

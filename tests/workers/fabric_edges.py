@@ -244,9 +244,20 @@ def load_recovers_a_checkpoint_left_aside_by_a_crashed_save():
     if fabric.global_rank == 0:
         path.rename(backup_path(path))  # the state a save leaves when killed between its two renames
     fabric.barrier()
-    state = {"model": model, "optimizer": opt, "step": 0}
+    saved = full_params(model)
+    saved_opt = {(i, k): full(v).clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+    # Into a fresh model and optimizer (other weights, no state): what loads must be the checkpoint itself.
+    torch.manual_seed(9)
+    plain = TinyTransformer()
+    fresh, fresh_opt = fabric.setup(plain, sgd(plain))
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
     fabric.load(path, state)
-    assert state["step"] == 1 and path.is_dir()
+    assert state["step"] == 1 and path.is_dir() and not backup_path(path).exists()
+    got = full_params(fresh)
+    assert all(torch.equal(got[k], saved[k]) for k in saved), "parameters differ from the recovered checkpoint"
+    got_opt = {(i, k): full(v) for i, s in fresh_opt.state_dict()["state"].items() for k, v in s.items()}
+    assert saved_opt and got_opt.keys() == saved_opt.keys(), (sorted(got_opt), sorted(saved_opt))
+    assert all(torch.equal(got_opt[k], saved_opt[k]) for k in saved_opt), "optimizer state differs"
     return "recovered"
 
 

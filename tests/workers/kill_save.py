@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common import full_params, loss_fn, make_fabric
+from common import full, full_params, loss_fn, make_fabric
 from harness import case, run_cases
 from models import TinyTransformer, make_batch
 
@@ -30,7 +30,14 @@ def _model(fabric, seed):
     return model, opt
 
 
-def _die(where: str) -> None:
+def _opt_state(opt) -> dict[str, torch.Tensor]:
+    """Every tensor of the optimizer's state (``step``, ``exp_avg``, ``exp_avg_sq`` of every parameter), gathered."""
+    return {f"{i}.{k}": full(v).clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+
+
+def _die(point: str, where: str) -> None:
+    # The marker proves to the pytest side that this launch died at the intended point, not of something else.
+    (ROOT / f"killed-{point}").write_text(f"rank {os.environ.get('RANK')}: {where}")
     print(f"[rank {os.environ.get('RANK')}] killed {where}", flush=True)
     os._exit(17)
 
@@ -39,12 +46,13 @@ def _arm(point: str, rank: int) -> None:
     """Make this rank die at ``point`` during the next save."""
     if rank != (1 if point == "sharded_write" else 0):
         return
+    die = lambda where: _die(point, where)  # noqa: E731
     if point == "sharded_write":
         import torch.distributed.checkpoint.filesystem as fs
 
         def write_half_then_die(self, plan, planner):
             (Path(self.path) / "__1_0.distcp").write_bytes(b"partial")
-            _die("in the middle of writing its DCP shard")
+            die("in the middle of writing its DCP shard")
 
         fs.FileSystemWriter.write_data = write_half_then_die
     elif point == "full_write":
@@ -65,7 +73,7 @@ def _arm(point: str, rank: int) -> None:
                     def write_record(self, *args):
                         records["n"] += 1
                         if records["n"] > 5:
-                            _die("after writing a few records of the full file")
+                            die("after writing a few records of the full file")
                         return write(*args)
 
                 return Proxy()
@@ -84,7 +92,7 @@ def _arm(point: str, rank: int) -> None:
             original(src, dst)
             calls["n"] += 1
             if calls["n"] == 1 and str(dst).endswith(atomic.BACKUP_SUFFIX):
-                _die("after moving the old checkpoint aside, before moving the new one in")
+                die("after moving the old checkpoint aside, before moving the new one in")
 
         atomic.os.replace = replace_then_die
     else:
@@ -101,7 +109,8 @@ def run_steps():
                 fabric = make_fabric(WORLD, state_dict_type=fmt)
                 model, opt = _model(fabric, seed=1)
                 fabric.save(ROOT / name, {"model": model, "optimizer": opt, "version": 1})
-            expected = full_params(model)  # a collective: every rank gathers
+            expected = {"model": full_params(model), "optimizer": _opt_state(opt)}  # collectives: every rank
+            assert len(expected["optimizer"]) == 3 * len(expected["model"]), sorted(expected["optimizer"])
             if fabric.global_rank == 0:
                 torch.save(expected, ROOT / "expected.pt")
         elif kind == "verify":
@@ -111,9 +120,13 @@ def run_steps():
                 model, opt = _model(fabric, seed=5)
                 state = {"model": model, "optimizer": opt, "version": 0}
                 fabric.load(ROOT / name, state)
-                got = full_params(model)
+                got = {"model": full_params(model), "optimizer": _opt_state(opt)}
                 assert state["version"] == 1, f"{name}: version {state['version']}"
-                assert all(torch.equal(got[k], expected[k]) for k in expected), f"{name}: not exactly v1"
+                for part in ("model", "optimizer"):
+                    e, g = expected[part], got[part]
+                    assert g.keys() == e.keys(), f"{name} {part}: keys {sorted(set(g) ^ set(e))}"
+                    differ = [k for k in e if not torch.equal(g[k], e[k])]
+                    assert not differ, f"{name} {part}: not exactly v1 in {differ[:5]}"
         elif kind == "kill":
             fmt, name = ("full", "full.pt") if point == "full_write" else ("sharded", "sharded")
             fabric = make_fabric(WORLD, state_dict_type=fmt)

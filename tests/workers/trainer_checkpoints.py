@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from harness import case, run_cases
 from lightning_fsdp.precision import DTensorGradScaler
 from lightning_fsdp.trainer import FSDPTrainerPrecision
@@ -148,7 +149,47 @@ def full_checkpoint_is_a_standard_ckpt_file():
         compare_params(loaded.state_dict(), final, atol=0.0)
         plain = loaded.configure_optimizers()["optimizer"]
         plain.load_state_dict(optimizer_state)
+        # The values: the sharded run of the same training (bit-identical, see the resume cases) wrote the same
+        # optimizer state by name; position j of the plain optimizer is the j-th parameter of the module.
+        names = [n for n, _ in loaded.named_parameters()]
+        got = {f"{names[j]}/{k}": v for j, s in plain.state_dict()["state"].items() for k, v in s.items()}
+        sharded = _load_distributed_checkpoint(_dir("resume_sharded") / "epoch=1.ckpt")["optimizer_0"]["state"]
+        expected = {f"{n}/{k}": v for n, s in sharded.items() for k, v in s.items()}
+        assert {k.rsplit("/", 1)[1] for k in expected} == {"step", "exp_avg", "exp_avg_sq"}, sorted(expected)[:6]
+        compare_params(got, expected, atol=0.0)
     return sorted(contents) if trainer.global_rank == 0 else None
+
+
+@case
+def full_ckpt_gathers_one_tensor_at_a_time():
+    """`.ckpt` files are streamed: when a tensor is gathered, no earlier gathered tensor is still held (the loop
+    variable may keep the one just written). A writer that gathered everything first would hold them all."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    model = LitGPT(optimizer="adamw")
+    trainer = make_trainer(strategy(state_dict_type="full"), max_steps=1)
+    trainer.fit(model, loader())
+    alive: list = []
+    held: list[int] = []
+    original = DTensor.full_tensor
+
+    def counting(self, *args, **kwargs):
+        held.append(sum(ref() is not None for ref in alive))
+        out = original(self, *args, **kwargs)
+        alive.append(weakref.ref(out))
+        return out
+
+    DTensor.full_tensor = counting
+    try:
+        trainer.save_checkpoint(_dir("streamed") / "one.ckpt")
+    finally:
+        DTensor.full_tensor = original
+    tensors = 3 * len(list(model.parameters()))  # each parameter and its two AdamW moments
+    assert len(held) >= tensors, f"only {len(held)} gathers for {tensors} sharded tensors"
+    assert max(held) <= 1, f"gathered tensors held at once, per gather: {held}"
+    return {"gathers": len(held), "most_held_at_once": max(held)}
 
 
 @case

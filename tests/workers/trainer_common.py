@@ -38,8 +38,8 @@ class Tokens(Dataset):
         return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
 
 
-def loader(n: int = SAMPLES, offset: int = 0) -> DataLoader:
-    return DataLoader(Tokens(n, offset), batch_size=BATCH)
+def loader(n: int = SAMPLES, offset: int = 0, batch_size: int = BATCH) -> DataLoader:
+    return DataLoader(Tokens(n, offset), batch_size=batch_size)
 
 
 def sgd(params) -> torch.optim.Optimizer:

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler
 
+from common import offload_policies, unit_states
 from harness import case, run_cases
 from lightning_fsdp._compat import CheckpointWrapper
 from lightning_fsdp.sharding import has_meta_tensors
@@ -36,10 +37,30 @@ from trainer_common import (
 )
 
 
-def _fit_parity(epochs: int = 2, reference_kwargs=None, **strategy_kwargs) -> dict:
+class _UnitStates(Callback):
+    """The FSDP units of the first step after its forward (autograd on, training mode) and before its backward,
+    and the offload policy each unit was built with: what parity alone cannot tell apart."""
+
+    def __init__(self) -> None:
+        self.after_forward = None
+        self.offload = None
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.after_forward is None:
+            self.after_forward = unit_states(pl_module.model)
+            self.offload = offload_policies(pl_module.model)
+
+
+def _fit_parity(epochs: int = 2, reference_kwargs=None, blocks_after_forward="sharded", **strategy_kwargs) -> dict:
     model = LitGPT()
-    trainer = make_trainer(strategy(**strategy_kwargs), max_epochs=epochs)
+    states = _UnitStates()
+    trainer = make_trainer(strategy(**strategy_kwargs), max_epochs=epochs, callbacks=[states])
     trainer.fit(model, loader())
+    if strategy_kwargs.get("sharding_strategy", "").upper() != "NO_SHARD":
+        expected = {"": "unsharded", "blocks.0": blocks_after_forward, "blocks.1": blocks_after_forward}
+        assert states.after_forward == expected, f"after forward: {states.after_forward}, expected {expected}"
+    expected_offload = {"CPUOffloadPolicy" if strategy_kwargs.get("cpu_offload") else "OffloadPolicy"}
+    assert states.offload == expected_offload, f"offload policies {states.offload}, expected {expected_offload}"
     reference, _ = reference_fit(epochs, **(reference_kwargs or {}))
     diff = compare_params(gathered(model.model), reference.state_dict(), ATOL)
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
@@ -70,7 +91,7 @@ def fit_matches_single_process_and_each_rank_sees_its_own_data():
 @case
 def parity_shard_grad_op_with_dotted_name_policies():
     result = _fit_parity(
-        sharding_strategy="shard_grad_op", auto_wrap_policy=["models.Block"],
+        blocks_after_forward="unsharded", sharding_strategy="shard_grad_op", auto_wrap_policy=["models.Block"],
         activation_checkpointing_policy=["models.Block"],
     )
     assert result["units"].startswith("FSDP units: 2 x Block"), result["units"]
@@ -86,6 +107,21 @@ def parity_no_shard():
 @case
 def parity_cpu_offload():
     return _fit_parity(cpu_offload=True)
+
+
+@case
+def reshard_after_forward_overrides_the_sharding_strategy():
+    report = {}
+    for kwargs, blocks in (({"sharding_strategy": "SHARD_GRAD_OP", "reshard_after_forward": True}, "sharded"),
+                           ({"reshard_after_forward": False}, "unsharded")):
+        states = _UnitStates()
+        make_trainer(strategy(**kwargs), max_steps=1, callbacks=[states]).fit(LitGPT(), loader())
+        # An explicit True reshards the root too (FSDP2 keeps the root gathered only when left to choose).
+        root = "sharded" if kwargs.get("reshard_after_forward") is True else "unsharded"
+        expected = {"": root, "blocks.0": blocks, "blocks.1": blocks}
+        assert states.after_forward == expected, f"{kwargs}: {states.after_forward}, expected {expected}"
+        report[str(kwargs)] = states.after_forward
+    return report
 
 
 class _GradientsSeen(Callback):

@@ -1,6 +1,7 @@
 """One-process cases: resume, on a world size of 1, from the checkpoints that ``trainer_checkpoints.py`` wrote on 2
 ranks (its output folder is ``$LFSDP_TRAINER_CHECKPOINTS``). What was saved must be what is loaded: the parameters,
-the optimizer state, the LR schedule and the step count."""
+every key of the optimizer state, the LR schedule and the step count; and the epoch trained after the resume ends
+where the uninterrupted 2-rank run ended."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning.pytorch import Callback
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from common import full
 from harness import case, run_cases
 from trainer_common import LitGPT, compare_params, gathered, loader, make_trainer, strategy
 
@@ -26,21 +28,24 @@ class _AtTrainStart(Callback):
         self.lr = trainer.optimizers[0].param_groups[0]["lr"]
         self.params = gathered(pl_module)
         state = get_optimizer_state_dict(pl_module, trainer.optimizers[0])["state"]
-        self.exp_avg = {k: v["exp_avg"].full_tensor().clone() for k, v in state.items()}  # a copy: on 1 rank it is a view
+        # Every key (step, exp_avg, exp_avg_sq); a copy: on 1 rank a full tensor is a view of the live state.
+        self.optimizer = {f"{name}/{k}": full(v).clone() for name, s in state.items() for k, v in s.items()}
 
 
 def _saved_epoch0(kind: str) -> dict:
     path = SAVED / "ckpt" / f"resume_{kind}" / "epoch=0.ckpt"
     if kind == "sharded":
         contents = _load_distributed_checkpoint(path)
-        return {"path": path, "params": contents["model"], "exp_avg": contents["optimizer_0"]["state"],
-                "step": contents["global_step"], "lr": contents["optimizer_0"]["param_groups"][0]["lr"]}
+        state = contents["optimizer_0"]["state"]
+        return {"path": path, "params": contents["model"], "step": contents["global_step"],
+                "optimizer": {f"{name}/{k}": v for name, s in state.items() for k, v in s.items()},
+                "lr": contents["optimizer_0"]["param_groups"][0]["lr"]}
     contents = torch.load(path, weights_only=True)
     names = [k for k in contents["state_dict"]]
     osd = contents["optimizer_states"][0]
     # The full file keys the optimizer state by position; position j is the j-th parameter of the module.
     return {"path": path, "params": contents["state_dict"], "step": contents["global_step"],
-            "exp_avg": {f"{names[j]}": {"exp_avg": s["exp_avg"]} for j, s in osd["state"].items()},
+            "optimizer": {f"{names[j]}/{k}": v for j, s in osd["state"].items() for k, v in s.items()},
             "lr": osd["param_groups"][0]["lr"]}
 
 
@@ -49,14 +54,24 @@ def _resume_on_one_process(kind: str) -> dict:
     seen = _AtTrainStart()
     model = LitGPT(optimizer="adamw", scheduler=True)
     trainer = make_trainer(strategy(state_dict_type=kind), devices=1, callbacks=[seen])
-    trainer.fit(model, loader(), ckpt_path=saved["path"])
+    # Batches of 4 on 1 process are the 2 + 2 samples the two ranks' DistributedSamplers gave one step (same seed
+    # and epoch, rank r takes every 2nd index from r), so the resumed run can be held against the uninterrupted one.
+    trainer.fit(model, loader(batch_size=4), ckpt_path=saved["path"])
     assert trainer.world_size == 1 and seen.step == saved["step"] == 4, (trainer.world_size, seen.step)
     assert seen.lr == saved["lr"], (seen.lr, saved["lr"])
     params = compare_params(seen.params, saved["params"], atol=0.0)
-    expected_avg = {k: v["exp_avg"] for k, v in saved["exp_avg"].items()}
-    optimizer = compare_params(seen.exp_avg, expected_avg, atol=0.0)
-    assert trainer.global_step == 4 + 8, trainer.global_step  # one more epoch: 8 batches of 2 on 1 process
-    return {"params": params, "optimizer": optimizer, "lr": seen.lr}
+    kinds = {k.rsplit("/", 1)[1] for k in saved["optimizer"]}
+    assert kinds == {"step", "exp_avg", "exp_avg_sq"}, kinds
+    optimizer = compare_params(seen.optimizer, saved["optimizer"], atol=0.0)
+    assert trainer.global_step == 4 + 4, trainer.global_step  # one more epoch: 4 steps of 4 samples
+    # The continued training: the same parameters as the 2-rank run that was never interrupted (up to the order in
+    # which the gradient mean is summed), and far from where the resume started.
+    uninterrupted = torch.load(SAVED / "handoff" / f"final_{kind}.pt", weights_only=True)
+    continued = compare_params(gathered(model.model), uninterrupted, atol=1e-5)
+    moved = max((uninterrupted[k] - saved["params"][f"model.{k}"]).abs().max().item() for k in uninterrupted)
+    assert moved > 1e-3, f"the epoch after the resume changed nothing ({moved:.2e})"
+    return {"params": params, "optimizer": optimizer, "lr": seen.lr, "continued_vs_uninterrupted": continued,
+            "moved": moved}
 
 
 @case
