@@ -54,12 +54,12 @@ def _unverified_loads() -> Iterator[None]:
     def plain_reader(path, *, allow_pickle=False, verify=True):
         return SafeFileSystemReader(path, allow_pickle=allow_pickle)
 
-    saved = checksums.VerifyingReader, checksums.verify_zip
-    checksums.VerifyingReader, checksums.verify_zip = plain_reader, lambda path: True
+    saved = checksums.VerifyingReader, checksums.verify_loaded
+    checksums.VerifyingReader, checksums.verify_loaded = plain_reader, lambda path, contents: True
     try:
         yield
     finally:
-        checksums.VerifyingReader, checksums.verify_zip = saved
+        checksums.VerifyingReader, checksums.verify_loaded = saved
 
 
 @contextlib.contextmanager
@@ -133,9 +133,12 @@ def main() -> None:
     parser.add_argument("--save-rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--algorithm", default=checksums.ALGORITHM, help="the digest new checkpoints record:"
+                        " crc32 (what this package recorded before xxh3) or xxh3_64")
     parser.add_argument("--regimes", default="warm,cold,save", help="comma-separated: warm, cold, save")
     args = parser.parse_args()
     regimes = args.regimes.split(",")
+    checksums.ALGORITHM = args.algorithm
     torch.set_num_threads(1)
     fabrics = {kind: Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(state_dict_type=kind))
                for kind in ("sharded", "full")}
