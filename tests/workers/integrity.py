@@ -359,7 +359,7 @@ def crc32_checkpoints_still_verify():
         table = json.loads(new_zip.read(next(n for n in new_zip.namelist() if n.endswith("/checksums.json"))))
         assert table["algorithm"] == "xxh3_64" and table["records"], table
     plain = torch.load(new, weights_only=True)  # the extra record does not stop torch's own loader
-    assert _same({k: v for k, v in plain["model"].items()}, good)
+    assert _same(plain["model"], good)
     report = {}
     for kind, path in paths.items():
         assert verify_checkpoint(path) is True
@@ -372,8 +372,8 @@ def crc32_checkpoints_still_verify():
     if fabric.global_rank == 0:
         _flip(shard, offset)
     fabric.barrier()
-    report["sharded"] = _expect_corruption(fabric, "crc32 shard", lambda: fabric.load(paths["sharded"], {"model": other}),
-                                           shard, tensor)
+    report["sharded"] = _expect_corruption(fabric, "crc32 shard",
+                                           lambda: fabric.load(paths["sharded"], {"model": other}), shard, tensor)
     if fabric.global_rank == 0:
         with zipfile.ZipFile(paths["full"]) as archive:
             prefix = archive.namelist()[0].split("/")[0]

@@ -9,7 +9,8 @@ unless the user opted in (``weights_only=False``, CLI ``--allow-pickle``):
   metadata classes, torch dtypes, sizes, layouts and memory formats, paths, and plain containers.
 - ``torch.save`` files (full checkpoints, ``meta.pt``) and DCP's non-tensor entries: :func:`load_file` and
   :func:`load_bytes`, i.e. ``torch.load(weights_only=True)``, torch's own allow-list unpickler.
-- :func:`tensor_record_paths` / :func:`tensor_record_names` read a ``torch.save`` index without constructing anything, to name tensors in errors.
+- :func:`tensor_record_paths` and :func:`tensor_record_names` read a ``torch.save`` index without constructing
+  anything, to find tensors and name them in errors.
 """
 
 from __future__ import annotations
