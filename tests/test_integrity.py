@@ -8,6 +8,7 @@ CASES = [
     "corruption_raises_on_every_rank_naming_file_and_tensor",
     "old_checkpoints_without_checksums_load_with_a_note",
     "async_saves_record_checksums",
+    "crc32_checkpoints_still_verify",
     "cli_verifies_and_refuses_crafted_files",
 ]
 

@@ -5,7 +5,8 @@
   every rank, naming the file, with no marker anywhere.
 - Corrupted checkpoints (a flipped byte in a shard or in a full file's tensor, a shard copied from another
   checkpoint) raise the same error on both ranks, naming the file and the tensor; the good checkpoint still
-  loads exactly; an old checkpoint without checksums loads with a note; async saves record checksums.
+  loads exactly; an old checkpoint without checksums loads with a note; async saves record checksums;
+  checkpoints recorded with CRC-32 (before xxh3) still verify.
 """
 
 from __future__ import annotations
@@ -326,6 +327,7 @@ def async_saves_record_checksums():
     fabric.load(path, {"model": other, "optimizer": other_opt})  # waits for the save
     assert _same(full_params(other), expected)
     assert verify_checkpoint(path) is True
+    fabric.barrier()  # every rank has verified the good checkpoint before rank 0 damages it
     shard = path / "__0_0.distcp"
     offset, tensor = _middle_item(path, shard.name)
     if fabric.global_rank == 0:
@@ -333,6 +335,66 @@ def async_saves_record_checksums():
     fabric.barrier()
     return _expect_corruption(fabric, "async", lambda: fabric.load(path, {"model": other, "optimizer": other_opt}),
                               shard, tensor)
+
+
+@case
+def crc32_checkpoints_still_verify():
+    """Checkpoints recorded with CRC-32 (everything saved before xxh3) load, verify, and still catch a flipped byte;
+    new ones record xxh3, and their full files still load with plain ``torch.load``."""
+    from lightning_fsdp.checkpoint import checksums
+
+    fabric = make_fabric(WORLD)
+    full_fabric = make_fabric(WORLD, state_dict_type="full")
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt)
+    root = _dir(fabric)
+    good = full_params(model)
+    paths = {"sharded": root / "sharded", "full": root / "full.pt"}
+    checksums.ALGORITHM = "crc32"  # what the writers recorded before
+    try:
+        fabric.save(paths["sharded"], {"model": model, "optimizer": opt})
+        full_fabric.save(paths["full"], {"model": model, "optimizer": opt})
+    finally:
+        checksums.ALGORITHM = "xxh3_64"
+    new = root / "new.pt"
+    full_fabric.save(new, {"model": model, "optimizer": opt})
+    assert json.loads((paths["sharded"] / "checksums.json").read_text())["algorithm"] == "crc32"
+    with zipfile.ZipFile(paths["full"]) as old_zip, zipfile.ZipFile(new) as new_zip:
+        assert not any(n.endswith("/checksums.json") for n in old_zip.namelist())  # the zip CRC-32s alone
+        table = json.loads(new_zip.read(next(n for n in new_zip.namelist() if n.endswith("/checksums.json"))))
+        assert table["algorithm"] == "xxh3_64" and table["records"], table
+    plain = torch.load(new, weights_only=True)  # the extra record does not stop torch's own loader
+    assert _same(plain["model"], good)
+    report = {}
+    for kind, path in paths.items():
+        assert verify_checkpoint(path) is True
+        other, other_opt = _setup(fabric, seed=5)
+        fabric.load(path, {"model": other, "optimizer": other_opt})
+        assert _same(full_params(other), good), kind
+    fabric.barrier()
+    shard = paths["sharded"] / "__0_0.distcp"
+    offset, tensor = _middle_item(paths["sharded"], shard.name)
+    if fabric.global_rank == 0:
+        _flip(shard, offset)
+    fabric.barrier()
+    report["sharded"] = _expect_corruption(fabric, "crc32 shard",
+                                           lambda: fabric.load(paths["sharded"], {"model": other}), shard, tensor)
+    if fabric.global_rank == 0:
+        with zipfile.ZipFile(paths["full"]) as archive:
+            prefix = archive.namelist()[0].split("/")[0]
+            key, tensor = max(tensor_record_names(archive.read(f"{prefix}/data.pkl")).items(),
+                              key=lambda kv: archive.getinfo(f"{prefix}/data/{kv[0]}").file_size)
+            info = archive.getinfo(f"{prefix}/data/{key}")
+        with open(paths["full"], "rb") as file:
+            file.seek(info.header_offset + 26)
+            skip = int.from_bytes(file.read(2), "little") + int.from_bytes(file.read(2), "little")
+        _flip(paths["full"], info.header_offset + 30 + skip + info.file_size // 3)
+    else:
+        tensor = None
+    tensor = fabric.broadcast(tensor)
+    report["full"] = _expect_corruption(fabric, "crc32 full", lambda: fabric.load(paths["full"], {"model": other}),
+                                        paths["full"], tensor)
+    return report
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:

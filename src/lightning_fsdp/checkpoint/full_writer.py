@@ -5,7 +5,8 @@ at once: for a full checkpoint, the whole model and optimizer on rank 0. The fil
 ``data.pkl`` only *refers* to tensor data by key, with dtype and size, and each tensor's bytes are a separate
 record. So this module pickles a skeleton first, from shapes and dtypes alone, then produces, writes and frees the
 tensors one by one. The result is an ordinary ``torch.save`` zip archive: ``torch.load(path, weights_only=True)``
-and ``mmap=True`` read it, without this package.
+and ``mmap=True`` read it, without this package. One record more, ``checksums.json``, holds a fast digest of each
+tensor record (:mod:`.checksums`); ``torch.load`` reads only the records its index names and passes it by.
 
 Tensors may be DTensors: each is gathered with ``full_tensor()`` when its turn comes, a collective every rank takes
 part in, in the same order, so all ranks walk the same skeleton. Only the writer rank keeps and writes the bytes.
@@ -30,6 +31,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
+from lightning_fsdp.checkpoint.checksums import ZIP_CHECKSUMS_RECORD, RecordDigests
 
 __all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
 
@@ -61,6 +63,7 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # The archive goes through a Python file object, not a path: a failed write then surfaces as the OSError that
     # says why (torch's writer raises "unexpected pos" with the OSError as its context), and the file is closed on
     # every exit, so a failed save's deleted staging file does not keep its disk space until the process ends.
+    digests = RecordDigests()  # a fast digest of each tensor record, hashed while its bytes are in the cache
     try:
         with open_zipfile_writer(stream) as writer:
             try:
@@ -77,10 +80,16 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
                 if error is not None:
                     continue
                 try:
-                    _write_tensor(writer, key, value, declared=tensor)
+                    digests.add(f"data/{key}", _write_tensor(writer, key, value, declared=tensor))
                 except Exception as err:  # noqa: BLE001 - re-raised below
                     error = err
                 del value  # free before the next tensor is produced
+            if error is None and digests.wanted:
+                try:
+                    payload = digests.payload()
+                    writer.write_record(ZIP_CHECKSUMS_RECORD, payload, len(payload))
+                except Exception as err:  # noqa: BLE001 - re-raised below
+                    error = err
     except Exception as err:  # noqa: BLE001 - closing the archive failed (the first error wins)
         error = _first_explaining(error, err)
     finally:
@@ -140,13 +149,14 @@ def _no_space_left(path: Path) -> bool:
     return stats.f_bavail * stats.f_frsize < 64 * 1024
 
 
-def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> None:
+def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> torch.UntypedStorage:
     value = _dense_cpu(value)
     if value.shape != declared.shape or value.dtype != declared.dtype:  # its bytes would not match the skeleton
         raise RuntimeError(f"internal error: tensor {key} of the checkpoint was declared as {tuple(declared.shape)}"
                            f" {declared.dtype} but produced {tuple(value.shape)} {value.dtype}. Please report this.")
     data = _element_bytes(value)
     writer.write_record(f"data/{key}", data, data.nbytes())
+    return data
 
 
 def _dense_cpu(value: Tensor) -> Tensor:

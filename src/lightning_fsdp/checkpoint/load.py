@@ -185,10 +185,16 @@ def _load_full(
     contents: dict[str, Any] = {}
 
     def open_file() -> None:
-        if comm.global_rank == 0:
-            if not checksums.verify_zip(source):  # only rank 0 reads the file, so only rank 0 checks it
+        if comm.global_rank == 0:  # only rank 0 reads the file, so only rank 0 checks it
+            try:
+                loaded = _torch_load(source, weights_only)  # memory-mapped: no tensor byte is read yet
+            except Exception:
+                checksums.verify_zip(source)  # a damaged file can fail to parse: report the damage, if that is it
+                raise
+            # Checked in the mapping the broadcast below reads from: the check takes the page faults the broadcast
+            # would take, and adds only the hashing.
+            if not checksums.verify_loaded(source, loaded):
                 checksums.note_unverified(source)
-            loaded = _torch_load(source, weights_only)
             if not isinstance(loaded, dict):
                 raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
             contents.update({next(iter(split.models)): loaded} if bare_model else loaded)

@@ -9,7 +9,8 @@ unless the user opted in (``weights_only=False``, CLI ``--allow-pickle``):
   metadata classes, torch dtypes, sizes, layouts and memory formats, paths, and plain containers.
 - ``torch.save`` files (full checkpoints, ``meta.pt``) and DCP's non-tensor entries: :func:`load_file` and
   :func:`load_bytes`, i.e. ``torch.load(weights_only=True)``, torch's own allow-list unpickler.
-- :func:`tensor_record_names` reads a ``torch.save`` index without constructing anything, to name tensors in errors.
+- :func:`tensor_record_paths` and :func:`tensor_record_names` read a ``torch.save`` index without constructing
+  anything, to find tensors and name them in errors.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "load_bytes",
     "SafeFileSystemReader",
     "tensor_record_names",
+    "tensor_record_paths",
 ]
 
 HINT = (" HINT: if you trust this checkpoint, allow full unpickling explicitly: `fabric.load(path, state,"
@@ -170,14 +172,14 @@ class _IndexReader(pickle.Unpickler):
         return _Record(str(pid[2])) if isinstance(pid, tuple) and len(pid) > 2 else _Opaque()
 
 
-def tensor_record_names(index: bytes) -> dict[str, str]:
-    """Map each data record key of a ``torch.save`` file to the dotted path of its tensor (``model.fc.weight``),
-    given the bytes of its ``data.pkl``. Runs no code from the file."""
-    names: dict[str, str] = {}
+def tensor_record_paths(index: bytes) -> dict[str, tuple]:
+    """Map each data record key of a ``torch.save`` file to the path of its tensor in the loaded object (keys and
+    indices, e.g. ``("model", "fc.weight")``), given the bytes of its ``data.pkl``. Runs no code from the file."""
+    paths: dict[str, tuple] = {}
 
     def walk(value: Any, path: tuple) -> None:
         if isinstance(value, _Record):
-            names.setdefault(value.key, ".".join(map(str, path)))
+            paths.setdefault(value.key, path)
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(v, (*path, k))
@@ -189,4 +191,9 @@ def tensor_record_names(index: bytes) -> dict[str, str]:
         walk(_IndexReader(io.BytesIO(index)).load(), ())
     except Exception:  # noqa: BLE001 - a damaged index: the caller names the record key instead
         pass
-    return names
+    return paths
+
+
+def tensor_record_names(index: bytes) -> dict[str, str]:
+    """Like :func:`tensor_record_paths`, with each path as a dotted name (``model.fc.weight``), for messages."""
+    return {key: ".".join(map(str, path)) for key, path in tensor_record_paths(index).items()}
