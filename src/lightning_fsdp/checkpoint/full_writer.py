@@ -18,9 +18,7 @@ record must hold exactly those bytes and no others: see :func:`_element_bytes`.
 from __future__ import annotations
 
 import collections
-import errno
 import io
-import os
 import pickle
 import sys
 from pathlib import Path
@@ -55,7 +53,7 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
     error: Optional[BaseException] = None
     try:
-        stream = open(path, "wb")  # noqa: SIM115 - closed below on every path
+        stream = _WriteRecorder(open(path, "wb"))  # noqa: SIM115 - closed below on every path
     except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or a read-only filesystem
         for tensor in tensors:
             materialize(tensor)
@@ -98,7 +96,40 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
         except Exception as err:  # noqa: BLE001 - the final flush failed
             error = _first_explaining(error, err)
     if error is not None:
-        _raise_explained(error, path)
+        _raise_explained(stream.error or error, path)
+
+
+class _WriteRecorder:
+    """The file torch's zip writer writes through. It keeps the OSError of a failed write (no space left on device),
+    which torch's writer reports only as "unexpected pos", so the error raised can say why."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def close(self) -> None:
+        try:
+            self._stream.close()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def save_file(obj: Any, path: Path) -> None:
@@ -128,25 +159,11 @@ def _os_error_in(error: BaseException) -> Optional[OSError]:
 
 
 def _raise_explained(error: BaseException, path: Path) -> None:
-    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``.
-
-    torch's zip writer checks how far each write got, and when the disk fills up inside a buffered write it reports
-    only "unexpected pos" with no OSError behind it: then a filesystem with no free blocks is named as the cause.
-    """
+    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``."""
     cause = _os_error_in(error)
     if cause is not None:
         raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
-    if "unexpected pos" in str(error) and _no_space_left(path):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from error
     raise error
-
-
-def _no_space_left(path: Path) -> bool:
-    try:
-        stats = os.statvfs(path.parent)
-    except OSError:
-        return False
-    return stats.f_bavail * stats.f_frsize < 64 * 1024
 
 
 def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> torch.UntypedStorage:
