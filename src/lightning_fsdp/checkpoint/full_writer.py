@@ -108,22 +108,17 @@ class _WriteRecorder:
         self.error: Optional[OSError] = None
 
     def write(self, data: Any) -> int:
-        try:
-            return self._stream.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
+        return self._recorded(self._stream.write, data)
 
     def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as err:
-            self.error = self.error or err
-            raise
+        self._recorded(self._stream.flush)
 
     def close(self) -> None:
+        self._recorded(self._stream.close)
+
+    def _recorded(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
-            self._stream.close()
+            return call(*args)
         except OSError as err:
             self.error = self.error or err
             raise
