@@ -101,14 +101,24 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
 
 class _WriteRecorder:
     """The file torch's zip writer writes through. It keeps the OSError of a failed write (no space left on device),
-    which torch's writer reports only as "unexpected pos", so the error raised can say why."""
+    which torch's writer reports only as "unexpected pos", so the error raised can say why, and it completes short
+    writes, so a full disk raises that OSError instead of going unnoticed."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self.error: Optional[OSError] = None
 
     def write(self, data: Any) -> int:
-        return self._recorded(self._stream.write, data)
+        view = memoryview(data).cast("B")
+        written = self._recorded(self._stream.write, view)
+        # A full disk first shows as a short write (the kernel writes what fits), which torch's writer reports only
+        # as "unexpected pos". Writing the rest here either succeeds or raises the OSError that says why.
+        while written is not None and written < len(view):
+            more = self._recorded(self._stream.write, view[written:])
+            if not more:
+                break
+            written += more
+        return written
 
     def flush(self) -> None:
         self._recorded(self._stream.flush)
@@ -129,11 +139,13 @@ class _WriteRecorder:
 
 def save_file(obj: Any, path: Path) -> None:
     """``torch.save`` through a file object, so a failed write raises the OSError that says why, naming ``path``."""
+    stream: Optional[_WriteRecorder] = None
     try:
-        with open(path, "wb") as stream:
+        with open(path, "wb") as raw:
+            stream = _WriteRecorder(raw)
             torch.save(obj, stream)
     except Exception as err:  # noqa: BLE001
-        _raise_explained(err, path)
+        _raise_explained((stream.error if stream is not None else None) or err, path)
 
 
 def _first_explaining(first: Optional[BaseException], later: BaseException) -> BaseException:
