@@ -6,6 +6,8 @@ Every save writes to a staging path beside the target and moves it into place on
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import uuid
 from concurrent.futures import Future
@@ -235,7 +237,10 @@ class AsyncSaves:
 
     def _commit_when_written(self, future: Future, staged: Path, target: Path) -> None:
         try:
-            if future.exception() is not None:
+            failure = future.exception()
+            if failure is not None:
+                # Explained before the staging directory is removed, while a full disk is still full.
+                self._commit_error = _explain_write_failure(failure, staged)
                 atomic.discard(staged)
                 return
             atomic.fsync_tree(staged)
@@ -253,9 +258,26 @@ class AsyncSaves:
         self._future = self._target = None
 
         def finish() -> None:
-            future.result()  # raises the background write's error
             self._committed.wait()
             if self._commit_error is not None:
                 raise self._commit_error
+            future.result()  # raises the background write's error
 
         together(comm, f"The background save of {str(target)!r}", finish)
+
+
+def _explain_write_failure(error: BaseException, path: Path) -> BaseException:
+    """DCP writes `.metadata` with `torch.save`, whose zip writer reports a disk that filled up as "unexpected pos"
+    with no OSError behind it. A write that came up short leaves no free block behind, so a filesystem with none
+    left names the cause; any other error is returned as it is."""
+    if isinstance(error, OSError) or "unexpected pos" not in str(error):
+        return error
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return error
+    if stats.f_bavail > 0:
+        return error
+    explained = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    explained.__cause__ = error
+    return explained
