@@ -20,6 +20,7 @@ CASES = [
     "shape_mismatch_names_the_tensor_in_both_formats",
     "save_onto_a_read_only_filesystem_fails_everywhere_promptly",
     "save_onto_a_full_disk_says_so_and_frees_the_space",
+    "a_disk_that_fills_inside_a_record_says_so_in_every_format",
     "a_write_that_fails_on_rank_1_only_names_rank_1",
     "saving_and_loading_through_a_symlink",
     "a_nan_gradient_on_one_rank_raises_everywhere_for_every_norm_type",

@@ -273,6 +273,90 @@ def save_onto_a_full_disk_says_so_and_frees_the_space():
     return report
 
 
+class _FillsUp:
+    """A file that takes ``room`` bytes, then behaves like a full disk: the write that crosses the limit writes what
+    fits and returns short, the next one raises ENOSPC (what the kernel does)."""
+
+    def __init__(self, stream, room: int) -> None:
+        self._stream, self._room = stream, room
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self._room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fits = view[: self._room]
+        self._room -= len(fits)
+        return self._stream.write(fits)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stream.close()
+
+
+@contextmanager
+def _disk_fills_after(room: int, on_rank: int, rank: int):
+    """On ``on_rank``, every checkpoint file opened for writing fills up after ``room`` bytes: DCP's streams and
+    the full writer's and ``meta.pt``'s files alike. Inside a ``torch.save`` record, torch's C++ writer turns the
+    ENOSPC into "unexpected pos" and loses it: the case the recording streams exist for."""
+    from lightning_fsdp.checkpoint import full_writer
+
+    original_stream = dcp_fs.FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with original_stream(self, path, mode) as stream:
+            yield _FillsUp(stream, room) if "w" in mode else stream
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        stream = open(path, mode, *args, **kwargs)
+        return _FillsUp(stream, room) if "w" in mode else stream
+
+    if rank == on_rank:
+        dcp_fs.FileSystem.create_stream = create_stream
+        full_writer.open = fake_open
+    try:
+        yield
+    finally:
+        dcp_fs.FileSystem.create_stream = original_stream
+        full_writer.__dict__.pop("open", None)
+
+
+@case
+def a_disk_that_fills_inside_a_record_says_so_in_every_format():
+    """ENOSPC in the middle of a tensor record, on either rank (the full writer writes on rank 0 only): every rank
+    raises OSError "No space left on device" naming the file and the rank, never torch's "unexpected pos", and the
+    previous checkpoint is kept."""
+    report = {}
+    for kind in ("sharded", "full", "async"):
+        for on_rank in (0, 1) if kind != "full" else (0,):
+            for room in (0, 100, 3000):  # before the first byte, inside the first record's header, inside data
+                fabric = make_fabric(WORLD, **_saver(kind))
+                root = _dir(fabric)
+                path = root / "ckpt"
+                model, opt = _setup(fabric)
+                _train(fabric, model, opt, steps=1)
+                _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
+                params, opt_state = full_params(model), _opt_state(opt)
+                _train(fabric, model, opt, steps=1, start=1)
+                with _disk_fills_after(room, on_rank, fabric.global_rank):
+                    outcome = _fails_everywhere(
+                        lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
+                        "no space left on device", str(path), f"failed on rank {on_rank}",
+                    )
+                assert "unexpected pos" not in outcome["message"], outcome
+                fabric.barrier()
+                where = f"{kind}, full on rank {on_rank} after {room} bytes"
+                assert sorted(p.name for p in root.iterdir()) == ["ckpt"], f"{where}: {list(root.iterdir())}"
+                _loads_exactly(fabric, path, params, opt_state)
+                report[where] = outcome["message"][-160:]
+    return report
+
+
 @case
 def a_write_that_fails_on_rank_1_only_names_rank_1():
     fabric = make_fabric(WORLD)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pickle
 import shutil
 import tempfile
@@ -27,7 +26,6 @@ import torch.distributed.checkpoint as dcp
 
 from common import full_params, loss_fn, make_fabric
 from harness import case, run_cases
-from lightning_fsdp.checkpoint import CheckpointError
 from lightning_fsdp.checkpoint.checksums import verify_checkpoint
 from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata, tensor_record_names
 from models import TinyTransformer, make_batch

@@ -8,7 +8,6 @@ extra forwards run in both, so the reference also checks the values they return 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -27,7 +26,6 @@ from common import (
     train_side_by_side,
 )
 from harness import assert_close, case, rank, run_cases
-from lightning_fsdp._compat import CheckpointWrapper
 from models import Block, TinyTransformer, make_batch
 
 WORLD = 2

@@ -7,7 +7,6 @@ Each case compares with a single-process reference on the global batches (see ``
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Optional
 

@@ -49,6 +49,7 @@ from torch.futures import Future
 from lightning_fsdp.checkpoint.agreement import CheckpointError
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME
 from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem
 
 __all__ = [
     "ChecksumError",
@@ -160,13 +161,20 @@ class ChecksumWriter(dcp.FileSystemWriter):
         super().__init__(path, **kwargs)
         self._save_id = self.save_id = save_id
         self._algorithm = algorithm or ALGORITHM
+        # A disk that fills inside one of DCP's `torch.save` records raises only "unexpected pos"; the recording file
+        # system keeps the OSError that says why (see `write_errors`).
+        self.fs = self._recording = RecordingFileSystem()
 
     def reset(self, checkpoint_id: Any = None) -> None:
         super().reset(checkpoint_id)
         self.save_id = self._save_id  # DCP draws a fresh id per rank; ours is the same on every rank
 
     def write_data(self, plan: Any, planner: Any) -> Future:
-        results = super().write_data(plan, planner).wait()
+        try:
+            results = super().write_data(plan, planner).wait()
+        except BaseException as err:
+            self._recording.raise_recorded(err)
+            raise
         seed_of, new_hasher = _ALGORITHMS[self._algorithm]
         seed = seed_of(self._save_id)
         by_file: dict[str, list] = {}
@@ -198,11 +206,15 @@ class ChecksumWriter(dcp.FileSystemWriter):
                 unpacked.append(replace(result, storage_data=info))
             plain.append(unpacked)
         manifest = {"format": 1, "algorithm": self._algorithm, "save_id": self._save_id, "items": items}
-        with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
-            json.dump(manifest, file)
-            file.flush()
-            os.fsync(file.fileno())
-        super().finish(metadata, plain)
+        try:
+            with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
+                json.dump(manifest, file)
+                file.flush()
+                os.fsync(file.fileno())
+            super().finish(metadata, plain)
+        except BaseException as err:
+            self._recording.raise_recorded(err)
+            raise
 
 
 def _item_name(index: Any) -> str:

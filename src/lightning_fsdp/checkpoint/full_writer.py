@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
 from lightning_fsdp.checkpoint.checksums import ZIP_CHECKSUMS_RECORD, RecordDigests
+from lightning_fsdp.checkpoint.write_errors import WriteRecorder, first_explaining, raise_explained
 
 __all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
 
@@ -53,7 +54,7 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
     error: Optional[BaseException] = None
     try:
-        stream = _WriteRecorder(open(path, "wb"))  # noqa: SIM115 - closed below on every path
+        stream = WriteRecorder(open(path, "wb"))  # noqa: SIM115 - closed below on every path
     except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or a read-only filesystem
         for tensor in tensors:
             materialize(tensor)
@@ -89,88 +90,25 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
                 except Exception as err:  # noqa: BLE001 - re-raised below
                     error = err
     except Exception as err:  # noqa: BLE001 - closing the archive failed (the first error wins)
-        error = _first_explaining(error, err)
+        error = first_explaining(error, err)
     finally:
         try:
             stream.close()
         except Exception as err:  # noqa: BLE001 - the final flush failed
-            error = _first_explaining(error, err)
+            error = first_explaining(error, err)
     if error is not None:
-        _raise_explained(stream.error or error, path)
-
-
-class _WriteRecorder:
-    """The file torch's zip writer writes through. It keeps the OSError of a failed write (no space left on device),
-    which torch's writer reports only as "unexpected pos", so the error raised can say why, and it completes short
-    writes, so a full disk raises that OSError instead of going unnoticed."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        self.error: Optional[OSError] = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        written = self._recorded(self._stream.write, view)
-        # A full disk first shows as a short write (the kernel writes what fits), which torch's writer reports only
-        # as "unexpected pos". Writing the rest here either succeeds or raises the OSError that says why.
-        while written is not None and written < len(view):
-            more = self._recorded(self._stream.write, view[written:])
-            if not more:
-                break
-            written += more
-        return written
-
-    def flush(self) -> None:
-        self._recorded(self._stream.flush)
-
-    def close(self) -> None:
-        self._recorded(self._stream.close)
-
-    def _recorded(self, call: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return call(*args)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+        raise_explained(stream.error or error, path)
 
 
 def save_file(obj: Any, path: Path) -> None:
     """``torch.save`` through a file object, so a failed write raises the OSError that says why, naming ``path``."""
-    stream: Optional[_WriteRecorder] = None
+    stream: Optional[WriteRecorder] = None
     try:
         with open(path, "wb") as raw:
-            stream = _WriteRecorder(raw)
+            stream = WriteRecorder(raw)
             torch.save(obj, stream)
     except Exception as err:  # noqa: BLE001
-        _raise_explained((stream.error if stream is not None else None) or err, path)
-
-
-def _first_explaining(first: Optional[BaseException], later: BaseException) -> BaseException:
-    """The first error, unless only the later one says why (an OSError from the final flush of a full disk)."""
-    if first is None or (_os_error_in(first) is None and _os_error_in(later) is not None):
-        return later
-    return first
-
-
-def _os_error_in(error: BaseException) -> Optional[OSError]:
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError) and error.errno is not None:
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _raise_explained(error: BaseException, path: Path) -> None:
-    """Raise the OSError behind a failed write (no space left on device, ...), naming the file; else ``error``."""
-    cause = _os_error_in(error)
-    if cause is not None:
-        raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
-    raise error
+        raise_explained((stream.error if stream is not None else None) or err, path)
 
 
 def _write_tensor(writer: Any, key: int, value: Tensor, *, declared: Tensor) -> torch.UntypedStorage:

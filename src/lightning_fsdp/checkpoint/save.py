@@ -6,15 +6,12 @@ Every save writes to a staging path beside the target and moves it into place on
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -215,7 +212,7 @@ class AsyncSaves:
 
     def start(
         self, tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm,
-        writer: Optional[dcp.FileSystemWriter] = None,
+        writer: ChecksumWriter,
     ) -> None:
         self.wait(comm)
         if self._group is None and dist.is_initialized():
@@ -226,8 +223,13 @@ class AsyncSaves:
                 staged.mkdir(parents=True)
                 save_file(metadata, staged / METADATA_FILENAME)
 
-        together(comm, f"Preparing the background save of {str(target)!r}", prepare)
-        future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group)
+        try:
+            together(comm, f"Preparing the background save of {str(target)!r}", prepare)
+            future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group)
+        except BaseException:
+            if comm.global_rank == 0:
+                atomic.discard(staged)  # a failed `meta.pt` (a full disk) must not leave the staging directory behind
+            raise
         self._future, self._target, self._commit_error = future, target, None
         self._committed = threading.Event()
         if comm.global_rank == 0:
@@ -239,8 +241,7 @@ class AsyncSaves:
         try:
             failure = future.exception()
             if failure is not None:
-                # Explained before the staging directory is removed, while a full disk is still full.
-                self._commit_error = _explain_write_failure(failure, staged)
+                self._commit_error = failure
                 atomic.discard(staged)
                 return
             atomic.fsync_tree(staged)
@@ -264,20 +265,3 @@ class AsyncSaves:
             future.result()  # raises the background write's error
 
         together(comm, f"The background save of {str(target)!r}", finish)
-
-
-def _explain_write_failure(error: BaseException, path: Path) -> BaseException:
-    """DCP writes `.metadata` with `torch.save`, whose zip writer reports a disk that filled up as "unexpected pos"
-    with no OSError behind it. A write that came up short leaves no free block behind, so a filesystem with none
-    left names the cause; any other error is returned as it is."""
-    if isinstance(error, OSError) or "unexpected pos" not in str(error):
-        return error
-    try:
-        stats = os.statvfs(path)
-    except OSError:
-        return error
-    if stats.f_bavail > 0:
-        return error
-    explained = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    explained.__cause__ = error
-    return explained

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
-from lightning_fsdp.checkpoint.full_writer import write_streaming
+from lightning_fsdp.checkpoint.full_writer import save_file, write_streaming
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.memory import drop_file_pages
 from lightning_fsdp.checkpoint.readers import (
@@ -83,7 +83,7 @@ def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progr
     planner = _StreamingSavePlanner(meter)
     with _single_process():
         dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id()), planner=planner, no_dist=True)
-    torch.save(checkpoint.metadata, staged / METADATA_FILENAME)
+    save_file(checkpoint.metadata, staged / METADATA_FILENAME)
 
 
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.errors import bad_argument
