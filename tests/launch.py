@@ -36,6 +36,8 @@ def worker_env(out: Path, **extra: str) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         PYTHONWARNINGS="ignore::DeprecationWarning",
+        # On an abort, Python prints every thread's stack: the only clue to which thread ends a process at exit.
+        PYTHONFAULTHANDLER="1",
     )
     env.update(extra)
     return env
@@ -59,6 +61,7 @@ class Launch:
     # not enough: a rank that crashes at exit, after its last result file, makes torchrun exit non-zero, and a
     # user's script, CI and the benchmarks would see that exit code.
     returncode: int | None = None
+    exit_abort_reported: bool = False
 
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"
@@ -79,8 +82,12 @@ class Launch:
                 # Known and open (issue 13, part 4): after every case passed and every result was written, a rank
                 # can still abort in the interpreter's teardown. Reported, not hidden: it shows in pytest's warning
                 # summary. Any other crash at exit fails the case.
-                warnings.warn(f"launch of case {name!r}: a rank aborted at exit ({KNOWN_EXIT_ABORT!r}) after every"
-                              " case passed; see issue 13, part 4", UserWarning, stacklevel=2)
+                if not self.exit_abort_reported:  # once per launch, with the stacks the fault handler printed
+                    self.exit_abort_reported = True
+                    at = self.log.index(KNOWN_EXIT_ABORT)
+                    warnings.warn(f"launch of case {name!r}: a rank aborted at exit ({KNOWN_EXIT_ABORT!r}) after"
+                                  " every case passed; see issue 13, part 4. Log from there:\n"
+                                  f"{self.log[at:at + 4000]}", UserWarning, stacklevel=2)
                 return details
             pytest.fail(
                 f"case {name!r} passed on every rank, but the launch exited with status {self.returncode} although"
