@@ -375,6 +375,59 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
 
 
 @case
+def consecutive_async_saves_with_training_between_each_load_their_own_state():
+    """Background saves stage into host copies reused from save to save (`checkpoint/staging.py`). The second save
+    must not overwrite them while the first save's write still reads them: the first write is held while training
+    goes on and the second save is called, and each checkpoint must load back exactly the state at its own save."""
+    import threading
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    fabric = make_fabric(WORLD, async_save=True)
+    model, opt = _setup(fabric)
+    _train(fabric, model, opt)
+    root = _dir(fabric)
+    saves = fabric.strategy._background_saves
+    release = threading.Event()
+    original = fs.FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):
+        release.wait(timeout=20)
+        return original(self, plan, planner)
+
+    def host_copies() -> dict:
+        return {where: host.data_ptr() for where, (_, host, _) in saves._stager._kept.items()}
+
+    expected = {}
+    fs.FileSystemWriter.write_data = held_write
+    try:
+        expected["first"] = (full_params(model), _opt_state(opt), 2)
+        fabric.save(root / "first", {"model": model, "optimizer": opt, "step": 2})
+        first_copies = host_copies()
+        _train(fabric, model, opt, steps=2, start=2)  # the first write is still held
+        expected["second"] = (full_params(model), _opt_state(opt), 4)
+        timer = threading.Timer(1.0, release.set)  # released while the second save waits for the first
+        timer.start()
+        fabric.save(root / "second", {"model": model, "optimizer": opt, "step": 4})
+        timer.join()
+        reused = host_copies() == first_copies and len(first_copies) > 0
+        _train(fabric, model, opt, steps=2, start=4)  # changes the live state while the second write runs
+    finally:
+        release.set()
+        fs.FileSystemWriter.write_data = original
+    assert reused, "the second background save did not stage into the first save's host copies"
+    assert not _same(expected["first"][0], expected["second"][0]), "training did not change the parameters"
+    for name, (params, opt_state, step) in expected.items():
+        other, other_opt = _setup(fabric, seed=5)
+        state = {"model": other, "optimizer": other_opt, "step": 0}
+        fabric.load(root / name, state)
+        assert state["step"] == step, (name, state["step"])
+        assert _same(params, full_params(other)), f"the {name} checkpoint's parameters are not those at its save"
+        assert _same(opt_state, _opt_state(other_opt)), f"the {name} checkpoint's optimizer state differs"
+    return {"host_copies_reused": len(first_copies)}
+
+
+@case
 def async_save_errors_surface_at_the_next_call():
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)

@@ -5,8 +5,9 @@ Neither DCP nor ``torch.load`` checks what it reads. Design:
 - **Sharded**: one digest per DCP item (a tensor's chunk, or a non-tensor entry), over the exact bytes DCP stored
   for it, seeded with the save's id. Per item, not per file, because a load reads items, not files: each rank
   reads only the items it needs (any of them after a resize), and verifies each one as it reads it.
-  :class:`ChecksumWriter` records them as DCP writes (each rank hashes the items it just wrote, from the page cache) and DCP's own gather
-  brings them to the coordinator, which writes ``checksums.json`` before ``.metadata``, so both are committed
+  :class:`ChecksumWriter` records them as DCP writes: each rank hashes every item's bytes as they pass through the
+  file's write stream (:class:`_DigestingFileSystem`), so nothing is read back, and DCP's own gather brings them to
+  the coordinator, which writes ``checksums.json`` before ``.metadata``, so both are committed
   together. The save id goes into DCP's ``.metadata`` too (``storage_meta.save_id``); the seed ties every digest to
   it, so a shard file or a ``checksums.json`` copied in from another checkpoint does not verify.
 - **Full** (and ``meta.pt``): ``torch.save`` files are zip archives that already carry a CRC-32 per record,
@@ -32,14 +33,16 @@ import json
 import mmap
 import os
 import struct
+import threading
 import uuid
 import warnings
 import zipfile
 import zlib
 from collections import Counter
 from dataclasses import dataclass, replace
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,7 +52,7 @@ from torch.futures import Future
 from lightning_fsdp.checkpoint.agreement import CheckpointError
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME
 from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
-from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem
+from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
 
 __all__ = [
     "ChecksumError",
@@ -154,6 +157,85 @@ def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 # ------------------------------------------------------------------------------------------------------ sharded
 
 
+class _RunDigests:
+    """A write stream that hashes the bytes written between two consecutive ``tell()`` calls (a *run*).
+
+    DCP's writer asks the stream for its position right before and right after each item it writes
+    (``_write_item``: ``offset = stream.tell()``, then ``length = stream.tell() - offset``), so each item's bytes are
+    exactly one run, hashed while they are still in the cache on their way to the file: nothing is read back. A run
+    is known by its ``(start, end)``; :meth:`ChecksumWriter.write_data` looks each item up by its offset and length
+    and hashes any item that is not one run (a future DCP that asks for the position more often, or seeks) from the
+    file instead, so the digest is always that of the item's bytes.
+    """
+
+    def __init__(self, stream: WriteRecorder, new_hasher: Callable[[], Any]) -> None:
+        self._stream, self._new_hasher = stream, new_hasher
+        self._start = self._position = 0  # DCP opens each file with "wb": writes start at byte 0
+        self._hasher = new_hasher()
+        self.runs: dict[tuple[int, int], int] = {}
+        self.seeked = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._stream.write(view)  # completes short writes, or raises
+        self._hasher.update(view[:written])
+        self._position += written
+        return written
+
+    def tell(self) -> int:
+        position = self._stream.tell()
+        if position != self._position:
+            self.seeked = True  # bytes reached the file some other way: every item of the file is hashed from it
+        if position > self._start:
+            self.runs[(self._start, position)] = self._hasher.intdigest()
+        self._start, self._hasher = position, self._new_hasher()
+        return position
+
+    def seek(self, *args: Any) -> int:
+        self.seeked = True
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __enter__(self) -> "_RunDigests":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stream.close()
+
+
+class _DigestingFileSystem(RecordingFileSystem):
+    """The recording file system (a full disk is named, see ``write_errors``) whose write streams also hash each
+    item's bytes as they are written (:class:`_RunDigests`). :meth:`take` hands over the digests by file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._new_hasher: Callable[[], Any] = lambda: None
+        self._files: dict[str, _RunDigests] = {}
+        self._files_lock = threading.Lock()
+
+    def start(self, new_hasher: Callable[[], Any]) -> None:
+        self._new_hasher, self._files = new_hasher, {}
+
+    @contextmanager
+    def create_stream(self, path: Union[str, Path], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if not (isinstance(stream, WriteRecorder) and mode == "wb"):
+                yield stream
+                return
+            digests = _RunDigests(stream, self._new_hasher)
+            with self._files_lock:  # DCP's writer threads open files concurrently
+                self._files[str(Path(path))] = digests
+            yield digests
+
+    def take(self, path: Path) -> Optional[dict[tuple[int, int], int]]:
+        """The digests of the runs written to ``path``, or None when they cannot be trusted (or none were taken)."""
+        with self._files_lock:
+            digests = self._files.pop(str(path), None)
+        return None if digests is None or digests.seeked else digests.runs
+
+
 class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's file writer that also records a digest per item (see the module docstring)."""
 
@@ -162,36 +244,44 @@ class ChecksumWriter(dcp.FileSystemWriter):
         self._save_id = self.save_id = save_id
         self._algorithm = algorithm or ALGORITHM
         # A disk that fills inside one of DCP's `torch.save` records raises only "unexpected pos"; the recording file
-        # system keeps the OSError that says why (see `write_errors`).
-        self.fs = self._recording = RecordingFileSystem()
+        # system keeps the OSError that says why (see `write_errors`), and hashes each item as it is written.
+        self.fs = self._recording = _DigestingFileSystem()
 
     def reset(self, checkpoint_id: Any = None) -> None:
         super().reset(checkpoint_id)
         self.save_id = self._save_id  # DCP draws a fresh id per rank; ours is the same on every rank
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        seed_of, new_hasher = _ALGORITHMS[self._algorithm]
+        seed = seed_of(self._save_id)
+        self._recording.start(lambda: new_hasher(seed))
         try:
             results = super().write_data(plan, planner).wait()
         except BaseException as err:
             self._recording.raise_recorded(err)
             raise
-        seed_of, new_hasher = _ALGORITHMS[self._algorithm]
-        seed = seed_of(self._save_id)
         by_file: dict[str, list] = {}
         for result in results:
             by_file.setdefault(result.storage_data.relative_path, []).append(result)
         stamped = []
         for name, items in by_file.items():
-            fd = os.open(Path(self.path) / name, os.O_RDONLY)
+            runs = self._recording.take(Path(self.path) / name) or {}
+            fd: Optional[int] = None
             try:
                 for result in sorted(items, key=lambda r: r.storage_data.offset):
                     info = result.storage_data
-                    hasher = new_hasher(seed)
-                    _hash_file_range(fd, info.offset, info.offset + info.length, hasher.update)
+                    digest = runs.get((info.offset, info.offset + info.length))
+                    if digest is None:  # not one run as written: hash it from the file (page cache)
+                        if fd is None:
+                            fd = os.open(Path(self.path) / name, os.O_RDONLY)
+                        hasher = new_hasher(seed)
+                        _hash_file_range(fd, info.offset, info.offset + info.length, hasher.update)
+                        digest = hasher.intdigest()
                     # DCP gathers write results to the coordinator as they are; `finish` unpacks them again.
-                    stamped.append(replace(result, storage_data=(info, hasher.intdigest())))
+                    stamped.append(replace(result, storage_data=(info, digest)))
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
         future: Future = Future()  # torch's future, as DCP expects
         future.set_result(stamped)
         return future

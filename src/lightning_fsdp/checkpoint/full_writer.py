@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
 from lightning_fsdp.checkpoint.checksums import ZIP_CHECKSUMS_RECORD, RecordDigests
+from lightning_fsdp.checkpoint.memory import return_freed_memory
 from lightning_fsdp.checkpoint.write_errors import WriteRecorder, first_explaining, raise_explained
 
 __all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
@@ -83,6 +84,11 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
                 except Exception as err:  # noqa: BLE001 - re-raised below
                     error = err
                 del value  # free before the next tensor is produced
+                # glibc keeps freed gathered tensors resident (they come from its heap once its mmap threshold has
+                # grown), fragmented across tensors of different sizes, and the next ones then grow the heap: rank
+                # 0's peak rose by about a third of the model and optimizer bytes on a 17M-parameter GPT. Handing the
+                # free pages back after each tensor keeps it near the largest tensor (:mod:`.memory`).
+                return_freed_memory()
             if error is None and digests.wanted:
                 try:
                     payload = digests.payload()

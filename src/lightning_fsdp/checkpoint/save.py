@@ -23,6 +23,7 @@ from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint.full_writer import save_file, write_full_checkpoint
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
+from lightning_fsdp.checkpoint.staging import ReusedStaging
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
 __all__ = [
@@ -100,7 +101,7 @@ def _write_sharded(
     together(comm, f"Creating the staging directory for {str(target)!r}", make_staging)
 
     def write() -> None:
-        dcp.save(tensors, checkpoint_id=staged, storage_writer=writer)
+        dcp.save(tensors, checkpoint_id=staged, storage_writer=writer, planner=_CachedPlans())
         if comm.global_rank == 0:
             save_file(metadata, staged / METADATA_FILENAME)
             atomic.fsync_tree(staged)
@@ -144,6 +145,17 @@ def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
 def _checksum_writer(staged: Path, comm: Communicator) -> ChecksumWriter:
     """DCP's writer, recording a checksum per item under one save id shared by all ranks (:mod:`.checksums`)."""
     return ChecksumWriter(staged, save_id=comm.broadcast(new_save_id()))
+
+
+class _CachedPlans(dcp.DefaultSavePlanner):
+    """DCP's planner with its plan cache on. Without it, every save gathers each rank's full plan (one entry per tensor
+    chunk) to rank 0, which unpickles them all and scatters the finished plans back: about a quarter of a sharded
+    save of a 17M-parameter GPT on 2 CPU ranks. With it, a rank whose plan is unchanged since the last save sends an
+    empty one, and the cached plans are used. The cache is DCP's, per process and keyed by this class's name, so no
+    other planner shares it; a changed state (another model, a filter) is sent in full and replaces it."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
 
 
 def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
@@ -205,6 +217,8 @@ class AsyncSaves:
         self._group: Optional[dist.ProcessGroup] = None
         self._commit_error: Optional[BaseException] = None
         self._committed = threading.Event()
+        # One stager for every save, so the host copies of the tensors are reused (see `.staging`).
+        self._stager = ReusedStaging()
 
     @property
     def in_flight(self) -> bool:
@@ -225,7 +239,8 @@ class AsyncSaves:
 
         try:
             together(comm, f"Preparing the background save of {str(target)!r}", prepare)
-            future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group)
+            future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group,
+                                    planner=_CachedPlans(), async_stager=self._stager)
         except BaseException:
             if comm.global_rank == 0:
                 atomic.discard(staged)  # a failed `meta.pt` (a full disk) must not leave the staging directory behind
