@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["return_freed_memory", "drop_file_pages"]
+__all__ = ["return_freed_memory", "TrimAfter", "drop_file_pages"]
 
 
 def return_freed_memory() -> None:
@@ -23,6 +23,22 @@ def return_freed_memory() -> None:
     """
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+class TrimAfter:
+    """:func:`return_freed_memory` once every ``nbytes`` freed, not after every tensor: ``malloc_trim`` walks the
+    whole heap, and after each of the ~1100 tensors of a 17M-parameter GPT with AdamW it made a full save about 20%
+    slower. What stays resident between two calls is bounded by ``nbytes`` plus the largest tensor."""
+
+    def __init__(self, nbytes: int = 8 << 20) -> None:
+        self._every = nbytes
+        self._pending = 0
+
+    def freed(self, nbytes: int) -> None:
+        self._pending += nbytes
+        if self._pending >= self._every:
+            self._pending = 0
+            return_freed_memory()
 
 
 def drop_file_pages(tensor: torch.Tensor) -> None:
