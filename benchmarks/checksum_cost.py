@@ -10,7 +10,7 @@ Saves one model (``--layers`` x ``--dim``^2 fp32 weights, 201 MB by default) onc
 
 "Off" is the same load with the verifying pieces swapped for plain ones (DCP's allow-list reader; the full load
 without its record check). Each round times both sides in alternating order; each figure is the median of the
-per-round ratio on/off (``benchmarks/rows.py``). Timings are never asserted: a missed target reads ``met: false``.
+per-round ratio on/off (``benchmarks/rows.py``), each side's sample the total time of ``--loads`` loads. Timings are never asserted: a missed target reads ``met: false``.
 
     python benchmarks/checksum_cost.py [--json PATH] [--rounds 15] [--layers 12] [--dim 2048]
 
@@ -130,13 +130,11 @@ def measure(args: argparse.Namespace) -> None:
                       f" {size / warm / 1e6:.0f} MB/s from the page cache", flush=True)
 
         def side(kind: str, verify: bool, cold: bool) -> Callable[[], float]:
-            def run() -> float:
+            def run() -> float:  # one sample: the sum of --loads loads, each timed alone (eviction untimed)
                 before = (lambda: _drop_from_cache(paths[kind])) if cold else (lambda: None)
                 action = lambda: fabrics[kind].load(paths[kind], {"model": model})  # noqa: E731
-                if verify:
-                    return _timed(fabric, action, before)
-                with _verification_off():
-                    return _timed(fabric, action, before)
+                with contextlib.nullcontext() if verify else _verification_off():
+                    return sum(_timed(fabric, action, before) for _ in range(args.loads))
             return run
 
         for kind in paths:
@@ -148,7 +146,8 @@ def measure(args: argparse.Namespace) -> None:
                 rows.append(figure(
                     f"{kind} load, verify on vs off ({regime})", ratios(times["on"], times["off"]),
                     baseline=f"the same {kind} load without verification", target=TARGET,
-                    detail={"model_bytes": model_bytes, "seconds_on": times["on"], "seconds_off": times["off"]}))
+                    detail={"model_bytes": model_bytes, "loads_per_sample": args.loads,
+                            "seconds_on": times["on"], "seconds_off": times["off"]}))
     finally:
         fabric.barrier()
         if fabric.global_rank == 0:
@@ -161,6 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--loads", type=int, default=3, help="loads summed into one sample: a load takes only"
+                        " 0.05 to 0.25 s here, too short for one to give a stable ratio on a shared machine")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dim", type=int, default=2048)
     args = parser.parse_args()
