@@ -10,9 +10,10 @@ Saves one model (``--layers`` x ``--dim``^2 fp32 weights, 201 MB by default) onc
 
 "Off" is the same load with the verifying pieces swapped for plain ones (DCP's allow-list reader; the full load
 without its record check). Each round times both sides in alternating order; each figure is the median of the
-per-round ratio on/off (``benchmarks/rows.py``), each side's sample the total time of ``--loads`` loads. Timings are never asserted: a missed target reads ``met: false``.
+per-round ratio on/off (``benchmarks/rows.py``), each side's sample the total time of ``--loads`` loads. Timings
+are never asserted: a missed target reads ``met: false``.
 
-    python benchmarks/checksum_cost.py [--json PATH] [--rounds 15] [--layers 12] [--dim 2048]
+    python benchmarks/checksum_cost.py [--json PATH] [--rounds 15] [--loads 3] [--layers 12] [--dim 2048]
 
 Started without ``torchrun``, it launches itself on 2 ranks.
 """

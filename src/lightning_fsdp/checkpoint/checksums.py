@@ -19,8 +19,9 @@ Neither DCP nor ``torch.load`` checks what it reads. Design:
 Cost: verification must add at most about 5% to a load (issue 12), and a load from the page cache is little more
 than a memory copy. So the digest is xxh3-64 (about 15-25 GB/s here, where zlib's CRC-32 runs at about 4 GB/s,
 as fast as the load's own copy); and the bytes are hashed where the load already has them, never read or copied
-a second time: a sharded item's tensor bytes as torch reads them into the new tensor (:class:`_ItemSlice`), a full
-file's tensor records in the memory mapping the load reads them from (:func:`verify_loaded`). Checkpoints recorded
+a second time: a sharded item's tensor bytes as torch reads them into the new tensor, a piece at a time while they
+are in the CPU cache (:class:`_ItemSlice`); a full file's tensor records in the memory mapping the load reads them
+from, each just before the load broadcasts it (:class:`LoadVerifier`). Checkpoints recorded
 with CRC-32 (``"algorithm": "crc32"``, everything written before xxh3) still verify.
 """
 
