@@ -308,6 +308,30 @@ def test_safetensors_export_streams_the_file_safetensors_itself_writes(tmp_path,
             assert (tmp_path / f"{source}-hf" / file).read_bytes() == (tmp_path / "ref-shard").read_bytes(), file
 
 
+def test_sharded_reads_verify_every_piece_of_a_large_tensor(tmp_path, capsys):
+    """A sharded item is read and hashed in 1 MiB pieces (and its zip headers from cached blocks): a tensor of
+    several pieces, of an odd size, converts back exactly, and a flipped byte in its last piece, or in the zip
+    record after it, is caught and named."""
+    g = torch.Generator().manual_seed(2)
+    model = {"big": torch.randn(3 * 2**18 + 7, generator=g), "small": torch.randn(5, generator=g)}
+    torch.save({"model": model}, tmp_path / "src.pt")
+    assert cli(capsys, "convert", tmp_path / "src.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
+    assert cli(capsys, "convert", tmp_path / "sharded", tmp_path / "back.pt", "--to", "full")[0] == 0
+    assert_same(load(tmp_path / "back.pt")["model"], model)
+    items = json.loads((tmp_path / "sharded" / "checksums.json").read_text())["items"]
+    shard, offset, length, _, name = next(i for i in items if i[4] == "model.big")
+    for where in (offset + length - 4096, offset + length - 10):  # the data's last piece; the zip's end record
+        file = tmp_path / "sharded" / shard
+        data = bytearray(file.read_bytes())
+        data[where] ^= 0x10
+        file.write_bytes(bytes(data))
+        status, _, err = cli(capsys, "convert", tmp_path / "sharded", tmp_path / "bad.pt", "--to", "full")
+        assert status == 2 and str(file) in err and "'model.big'" in err and "corrupted" in err, err
+        data[where] ^= 0x10
+        file.write_bytes(bytes(data))
+    assert not (tmp_path / "bad.pt").exists()
+
+
 def test_overwrite_replaces_previous_output_only_when_asked(ckpt, tmp_path, capsys):
     target = tmp_path / "out.pt"
     torch.save({"model": {"w": torch.zeros(1)}}, target)
