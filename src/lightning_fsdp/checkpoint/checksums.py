@@ -344,7 +344,8 @@ class _ItemSlice(io.RawIOBase):
             hashing = self._hashed == self._pos
             count = 0
             while count < want:
-                piece = os.preadv(self._fd, [view[count:min(want, count + _READ_PIECE)]], self._base + self._pos + count)
+                end = min(want, count + _READ_PIECE)
+                piece = os.preadv(self._fd, [view[count:end]], self._base + self._pos + count)
                 if not piece:
                     break
                 if hashing:

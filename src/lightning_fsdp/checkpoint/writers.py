@@ -3,7 +3,8 @@
 Each writer reads tensors from the source a little at a time and writes and frees each before more are read, so
 peak memory is about one read batch plus what the writer must hold: one tensor for a full file (streamed by
 :func:`~lightning_fsdp.checkpoint.full_writer.write_streaming`) and for safetensors (:mod:`.safetensors_stream`),
-one tensor for DCP (see :class:`_StreamingSavePlanner`). Each writes into a staging path that the caller moves into place.
+one tensor for DCP (see :class:`_StreamingSavePlanner`). Each writes into a staging path that the caller moves
+into place.
 """
 
 from __future__ import annotations
@@ -138,7 +139,10 @@ def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, 
     weight_map: dict[str, str] = {}
     for shard, file in zip(shards, files):
         entry_of = {items[id(e)].name: e for e in shard}
-        layout = ordered(items[id(e)] for e in shard)
+        try:
+            layout = ordered(items[id(e)] for e in shard)
+        except TypeError as err:  # a dtype safetensors lacks: the user's to fix, in one line
+            raise UsageError(str(err)) from err
         in_file_order = [entry_of[item.name] for item in layout]
 
         def written(item: SafetensorsItem, tensor: torch.Tensor) -> None:
