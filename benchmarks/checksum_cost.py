@@ -1,22 +1,21 @@
-"""What checksums add to a save and to a load, sharded and full, on 2 ranks.
+"""What checksum verification adds to a load, sharded and full, on 2 CPU ranks (issue 12: at most about 5%).
 
-Saves one model (about 300 MB of fp32 weights, 4 MiB to 16 MiB tensors) once sharded and once full, then times
-``fabric.load`` of each with verification and without, in two regimes:
+Saves one model (``--layers`` x ``--dim``^2 fp32 weights, 201 MB by default) once sharded and once full, then times
+``fabric.load`` of each with verification on and off, in two regimes:
 
 - **warm**: the checkpoint's files are in the page cache (just written or read), so a load is pure CPU and memory
   bandwidth, and the checksum's CPU cost shows at its largest share;
-- **cold**: before each timed load, every file of the checkpoint is evicted from the page cache (``fsync`` then
-  ``posix_fadvise(DONTNEED)``), so the load reads the disk, as a job resuming on a fresh node does.
+- **cold**: before each timed load, every file of the checkpoint is dropped from the page cache (``fsync``, then
+  ``posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``), so the load reads the disk, as a job resuming on a fresh node.
 
-It also times the save with checksums recorded and without (sharded: DCP's plain writer; full: torch's zip writer
-with its CRC-32 switched off, ``torch.serialization.set_crc32_options(False)``), both including the fsync.
+"Off" is the same load with the verifying pieces swapped for plain ones (DCP's allow-list reader; the full load
+without its record check). Each round times both sides in alternating order; each figure is the median of the
+per-round ratio on/off (``benchmarks/rows.py``), each side's sample the total time of ``--loads`` loads. Timings
+are never asserted: a missed target reads ``met: false``.
 
-Sides alternate round by round (with/without, then without/with) so drifting machine load hits both alike. Prints
-the median, min and max of the per-round ratio (with / without) and the median seconds of each side. Before the
-cold rounds it checks that eviction works: it times reading the checkpoint's files right after an eviction and
-again from the page cache.
+    python benchmarks/checksum_cost.py [--json PATH] [--rounds 15] [--loads 3] [--layers 12] [--dim 2048]
 
-    python -m torch.distributed.run --nproc_per_node=2 benchmarks/checksum_cost.py [--rounds 7] [--layers 18]
+Started without ``torchrun``, it launches itself on 2 ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,54 +33,42 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from lightning.fabric import Fabric
-from torch import nn
 
-from lightning_fsdp.checkpoint import checksums, load, save
-from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader
-from lightning_fsdp.fabric import FSDPStrategy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rows import alternate, emit, figure, ratios  # noqa: E402
+
+TARGET = ("<=", 1.05)
 
 
-def _model(layers: int, dim: int) -> nn.Module:
-    return nn.Sequential(*[nn.Linear(dim, dim) for _ in range(layers)])
+def _model(layers: int, dim: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
 
 
 @contextlib.contextmanager
-def _unverified_loads() -> Iterator[None]:
-    """Loads inside it skip verification (the baseline side): the sharded load reads through the allow-list reader
-    alone, the full load opens its file without checking the zip records."""
+def _verification_off() -> Iterator[None]:
+    """Loads inside it skip verification: the sharded load reads through the allow-list reader alone, the full
+    load opens its file without checking its records."""
+    from lightning_fsdp.checkpoint import checksums
+    from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader
 
     def plain_reader(path, *, allow_pickle=False, verify=True):
         return SafeFileSystemReader(path, allow_pickle=allow_pickle)
 
-    saved = checksums.VerifyingReader, checksums.verify_loaded
-    checksums.VerifyingReader, checksums.verify_loaded = plain_reader, lambda path, contents: True
+    saved = checksums.VerifyingReader, checksums.LoadVerifier.open
+    checksums.VerifyingReader = plain_reader
+    checksums.LoadVerifier.open = classmethod(lambda cls, path, contents: checksums.LoadVerifier.unchecked())
     try:
         yield
     finally:
-        checksums.VerifyingReader, checksums.verify_loaded = saved
-
-
-@contextlib.contextmanager
-def _unrecorded_saves() -> Iterator[None]:
-    """Saves inside it record no checksums (the baseline side): DCP's own writer, torch's zip writer without CRC-32."""
-    saved = save._checksum_writer, torch.serialization.get_crc32_options()
-    save._checksum_writer = lambda staged, comm: dcp.FileSystemWriter(staged)
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        save._checksum_writer = saved[0]
-        torch.serialization.set_crc32_options(saved[1])
+        checksums.VerifyingReader, checksums.LoadVerifier.open = saved
 
 
 def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
-def _evict(path: Path) -> None:
-    """Drop the checkpoint's files from the page cache (the cache is the machine's, so one rank does it)."""
+def _drop_from_cache(path: Path) -> None:
+    """Drop every file of the checkpoint from the page cache (the cache is the machine's, so one rank does it)."""
     for file in _files(path):
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -99,7 +87,7 @@ def _read_all(path: Path) -> tuple[float, int]:
     return time.perf_counter() - start, size
 
 
-def _timed(fabric: Fabric, action: Callable[[], None], before: Callable[[], None] = lambda: None) -> float:
+def _timed(fabric, action: Callable[[], None], before: Callable[[], None]) -> float:
     if fabric.global_rank == 0:
         before()
     fabric.barrier()
@@ -107,38 +95,16 @@ def _timed(fabric: Fabric, action: Callable[[], None], before: Callable[[], None
     action()
     fabric.barrier()
     elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the load ends when the slowest rank is done
     return elapsed.item()
 
 
-def _alternate(rounds: int, run: Callable[[str], float]) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"with": [], "without": []}
-    for round_ in range(rounds):
-        for side in ("with", "without") if round_ % 2 == 0 else ("without", "with"):
-            times[side].append(run(side))
-    return times
+def measure(args: argparse.Namespace) -> None:
+    from lightning.fabric import Fabric
 
+    from lightning_fsdp.checkpoint import checksums
+    from lightning_fsdp.fabric import FSDPStrategy
 
-def _report(fabric: Fabric, label: str, times: dict[str, list[float]]) -> None:
-    ratios = [a / b for a, b in zip(times["with"], times["without"])]
-    if fabric.global_rank == 0:
-        print(f"{label:22s} ratio median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max"
-              f" {max(ratios):.3f}); median {statistics.median(times['with']):.3f} s with,"
-              f" {statistics.median(times['without']):.3f} s without", flush=True)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--save-rounds", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=18)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--algorithm", default=checksums.ALGORITHM, help="the digest new checkpoints record:"
-                        " crc32 (what this package recorded before xxh3) or xxh3_64")
-    parser.add_argument("--regimes", default="warm,cold,save", help="comma-separated: warm, cold, save")
-    args = parser.parse_args()
-    regimes = args.regimes.split(",")
-    checksums.ALGORITHM = args.algorithm
     torch.set_num_threads(1)
     fabrics = {kind: Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(state_dict_type=kind))
                for kind in ("sharded", "full")}
@@ -147,62 +113,63 @@ def main() -> None:
     fabric = fabrics["sharded"]
     torch.manual_seed(0)
     model = fabric.setup_module(_model(args.layers, args.dim))
-    size_mb = sum(p.numel() * p.element_size() for p in _model(1, args.dim).parameters()) * args.layers / 1e6
+    model_bytes = args.layers * (args.dim * args.dim + args.dim) * 4
     root = Path(fabric.broadcast(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))))
-    if fabric.global_rank == 0:
-        print(f"model {size_mb:.0f} MB, {args.rounds} load rounds, {args.save_rounds} save rounds, files in {root}")
     paths = {"sharded": root / "sharded", "full": root / "full.pt"}
+    rows = []
     try:
         for kind, path in paths.items():
             fabrics[kind].save(path, {"model": model})
             assert checksums.verify_checkpoint(path), f"{path} carries no checksums"
-        if "cold" in regimes and fabric.global_rank == 0:
-            for kind, path in paths.items():
-                _evict(path)
+        if fabric.global_rank == 0:
+            print(f"model {model_bytes / 1e6:.0f} MB, {args.rounds} rounds per figure, files in {root}", flush=True)
+            for kind, path in paths.items():  # eviction must work, or "cold" measures the cache
+                _drop_from_cache(path)
                 cold, size = _read_all(path)
                 warm, _ = _read_all(path)
-                print(f"eviction check, {kind:7s}: read {size / 1e6:.0f} MB at {size / cold / 1e6:.0f} MB/s right"
-                      f" after eviction, {size / warm / 1e6:.0f} MB/s from the page cache", flush=True)
+                print(f"eviction check, {kind}: {size / cold / 1e6:.0f} MB/s right after dropping the pages,"
+                      f" {size / warm / 1e6:.0f} MB/s from the page cache", flush=True)
 
-        def load_side(kind: str, evict: bool) -> Callable[[str], float]:
-            def run(side: str) -> float:
-                before = (lambda: _evict(paths[kind])) if evict else (lambda: None)
+        def side(kind: str, verify: bool, cold: bool) -> Callable[[], float]:
+            def run() -> float:  # one sample: the sum of --loads loads, each timed alone (eviction untimed)
+                before = (lambda: _drop_from_cache(paths[kind])) if cold else (lambda: None)
                 action = lambda: fabrics[kind].load(paths[kind], {"model": model})  # noqa: E731
-                if side == "with":
-                    return _timed(fabric, action, before)
-                with _unverified_loads():
-                    return _timed(fabric, action, before)
-            return run
-
-        def save_side(kind: str) -> Callable[[str], float]:
-            counter = iter(range(10**6))
-
-            def run(side: str) -> float:
-                target = root / f"save-{kind}-{next(counter)}"
-                action = lambda: fabrics[kind].save(target, {"model": model})  # noqa: E731
-                try:
-                    if side == "with":
-                        return _timed(fabric, action)
-                    with _unrecorded_saves():
-                        return _timed(fabric, action)
-                finally:
-                    fabric.barrier()
-                    if fabric.global_rank == 0:
-                        shutil.rmtree(target) if target.is_dir() else target.unlink()
+                with contextlib.nullcontext() if verify else _verification_off():
+                    return sum(_timed(fabric, action, before) for _ in range(args.loads))
             return run
 
         for kind in paths:
-            if "warm" in regimes:
-                _timed(fabric, lambda: fabrics[kind].load(paths[kind], {"model": model}))  # page cache, allocator
-                _report(fabric, f"{kind} load, warm", _alternate(args.rounds, load_side(kind, evict=False)))
-            if "cold" in regimes:
-                _report(fabric, f"{kind} load, cold", _alternate(args.rounds, load_side(kind, evict=True)))
-            if "save" in regimes:
-                _report(fabric, f"{kind} save", _alternate(args.save_rounds, save_side(kind)))
+            for regime in ("warm", "cold"):
+                if regime == "warm":  # page cache and allocator warmed up, for both sides alike
+                    _timed(fabric, lambda: fabrics[kind].load(paths[kind], {"model": model}), lambda: None)
+                times = alternate(args.rounds, {"on": side(kind, True, regime == "cold"),
+                                                "off": side(kind, False, regime == "cold")})
+                rows.append(figure(
+                    f"{kind} load, verify on vs off ({regime})", ratios(times["on"], times["off"]),
+                    baseline=f"the same {kind} load without verification", target=TARGET,
+                    detail={"model_bytes": model_bytes, "loads_per_sample": args.loads,
+                            "seconds_on": times["on"], "seconds_off": times["off"]}))
     finally:
         fabric.barrier()
         if fabric.global_rank == 0:
             shutil.rmtree(root, ignore_errors=True)
+    if fabric.global_rank == 0:
+        emit(rows, args.json)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--loads", type=int, default=3, help="loads summed into one sample: a load takes only"
+                        " 0.05 to 0.25 s here, too short for one to give a stable ratio on a shared machine")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=2048)
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:  # started directly: run this script on 2 ranks
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__, *sys.argv[1:]]
+        sys.exit(subprocess.run(command).returncode)
+    measure(args)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ from lightning_fsdp.cli import main
 
 # The README's claim, "near the largest tensor or shard", as a number: a conversion's extra peak stays under
 # TENSORS_BOUND largest tensors plus one output shard. Measured here (4 MiB tensors, 20 MB shards): to full 10-11 MB
-# (2.6 tensors), to sharded 6 MB (1.5), to safetensors 17-21 MB (one shard plus under 0.3 tensors).
+# (2.6 tensors), to sharded 6 MB (1.5). Safetensors output streams a tensor at a time, so the one-file exports
+# (no shard term) must stay under TENSORS_BOUND tensors too: 0.08x of the 201 MB model, where holding every weight
+# (the writer before streaming) took 1.0x.
 TENSORS_BOUND = 4
 
 
@@ -258,6 +260,78 @@ def test_views_odd_shapes_and_shared_storages_convert_exactly(tmp_path, capsys):
     assert_same(by_name(load_file(tmp_path / "w.safetensors")), by_name(expected["model"]))
 
 
+def test_safetensors_export_streams_the_file_safetensors_itself_writes(tmp_path, capsys):
+    """The streamed export is byte for byte what ``safetensors.torch.save_file`` writes for the same weights (one
+    file, and each shard of a sharded export), and reads back exactly: odd shapes, several dtypes, 0-d and empty
+    tensors, tied and overlapping views of one storage (each name gets its own copy of its bytes, as before), and a
+    strided view."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(300, generator=g)
+    model = {
+        "embed.weight": base[:111].view(37, 3),  # odd shape, a view at offset 0 of a longer storage
+        "head.weight": base[:111].view(37, 3),  # tied to embed.weight
+        "overlap": base[100:130],  # overlaps embed.weight
+        "norm.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "proj.weight": torch.randn(5, 3, generator=g).to(torch.float16),
+        "moments": torch.randn(5, 7, generator=g).t(),  # not contiguous
+        "positions": torch.arange(-6, 7, dtype=torch.int64).view(13, 1),
+        "codes": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
+        "mask": torch.rand(3, 5, generator=g) > 0.5,
+        "double": torch.randn(2, 2, dtype=torch.float64, generator=g),
+        "scale": torch.tensor(0.125),  # 0-d
+        "step": torch.tensor(7, dtype=torch.int64),  # 0-d, another dtype
+        "empty": torch.zeros(0, 4),
+        "empty.half": torch.zeros(3, 0, dtype=torch.float16),
+    }
+    expected = {k: v.clone(memory_format=torch.contiguous_format) for k, v in model.items()}
+    torch.save({"model": model, "step": 3}, tmp_path / "src.pt")
+    assert cli(capsys, "convert", tmp_path / "src.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
+    save_file(expected, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    reference = (tmp_path / "reference.safetensors").read_bytes()
+    for source in ("src.pt", "sharded"):
+        out = tmp_path / f"{source}.safetensors"
+        status, _, err = cli(capsys, "convert", tmp_path / source, out, "--to", "safetensors")
+        assert status == 0, err
+        assert_same(by_name(load_file(out)), by_name(expected), str(out))
+        assert out.read_bytes() == reference, f"{out} differs from what safetensors writes"
+        # Sharded export: every shard is the file safetensors writes for its tensors, and the index names them.
+        status, _, err = cli(capsys, "convert", tmp_path / source, tmp_path / f"{source}-hf", "--to", "safetensors",
+                             "--max-shard-size", "200B")
+        assert status == 0, err
+        index = json.loads((tmp_path / f"{source}-hf" / "model.safetensors.index.json").read_text())
+        assert list(index["weight_map"]) == list(model) and len(set(index["weight_map"].values())) >= 4
+        for file in set(index["weight_map"].values()):
+            names = [n for n, f in index["weight_map"].items() if f == file]
+            save_file({n: expected[n] for n in names}, str(tmp_path / "ref-shard"), metadata={"format": "pt"})
+            assert (tmp_path / f"{source}-hf" / file).read_bytes() == (tmp_path / "ref-shard").read_bytes(), file
+
+
+def test_sharded_reads_verify_every_piece_of_a_large_tensor(tmp_path, capsys):
+    """A sharded item is read and hashed in 1 MiB pieces (and its zip headers from cached blocks): a tensor of
+    several pieces, of an odd size, converts back exactly, and a flipped byte in its last piece, or in the zip
+    record after it, is caught and named."""
+    g = torch.Generator().manual_seed(2)
+    model = {"big": torch.randn(3 * 2**18 + 7, generator=g), "small": torch.randn(5, generator=g)}
+    torch.save({"model": model}, tmp_path / "src.pt")
+    assert cli(capsys, "convert", tmp_path / "src.pt", tmp_path / "sharded", "--to", "sharded")[0] == 0
+    assert cli(capsys, "convert", tmp_path / "sharded", tmp_path / "back.pt", "--to", "full")[0] == 0
+    assert_same(load(tmp_path / "back.pt")["model"], model)
+    items = json.loads((tmp_path / "sharded" / "checksums.json").read_text())["items"]
+    shard, offset, length, _, name = next(i for i in items if i[4] == "model.big")
+    for where in (offset + length - 4096, offset + length - 10):  # the data's last piece; the zip's end record
+        file = tmp_path / "sharded" / shard
+        data = bytearray(file.read_bytes())
+        data[where] ^= 0x10
+        file.write_bytes(bytes(data))
+        status, _, err = cli(capsys, "convert", tmp_path / "sharded", tmp_path / "bad.pt", "--to", "full")
+        assert status == 2 and str(file) in err and "'model.big'" in err and "corrupted" in err, err
+        data[where] ^= 0x10
+        file.write_bytes(bytes(data))
+    assert not (tmp_path / "bad.pt").exists()
+
+
 def test_overwrite_replaces_previous_output_only_when_asked(ckpt, tmp_path, capsys):
     target = tmp_path / "out.pt"
     torch.save({"model": {"w": torch.zeros(1)}}, target)
@@ -445,3 +519,6 @@ def test_conversions_stream_with_bounded_memory(memory_run):
     written = torch.load(out / "out-full.pt", mmap=True, weights_only=True)["model"]
     assert sum(t.nbytes for t in written.values()) == size
     assert (out / "out-sharded" / "__0_0.distcp").stat().st_size > size
+    for one_file in ("out-one.safetensors", "out-one-full.safetensors"):
+        with safe_open(out / one_file, "pt") as handle:
+            assert len(list(handle.keys())) == 96 and (out / one_file).stat().st_size > size

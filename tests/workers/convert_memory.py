@@ -30,6 +30,9 @@ CONVERSIONS = {
     "full->safetensors": ("full.pt", "out-full-st", {"to": "safetensors", "max_shard_size": 20_000_000}),
     "sharded->safetensors": ("sharded", "out-sharded-st", {"to": "safetensors", "max_shard_size": 20_000_000}),
     "full->sharded": ("full.pt", "out-sharded", {"to": "sharded"}),
+    # One file holding every weight: streamed a tensor at a time, so no shard term in its bound.
+    "sharded->one safetensors file": ("sharded", "out-one.safetensors", {"to": "safetensors"}),
+    "full->one safetensors file": ("full.pt", "out-one-full.safetensors", {"to": "safetensors"}),
 }
 
 

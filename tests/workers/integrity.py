@@ -250,27 +250,30 @@ def corruption_raises_on_every_rank_naming_file_and_tensor():
     fabric.barrier()
     assert _same(full_params(load_into_fresh(sharded)), good), "the repaired sharded checkpoint differs"
 
-    # 2. A flipped byte in a full file's tensor record.
-    if fabric.global_rank == 0:
-        with zipfile.ZipFile(full_path) as archive:
-            prefix = archive.namelist()[0].split("/")[0]
-            names = tensor_record_names(archive.read(f"{prefix}/data.pkl"))
-            key, tensor = max(names.items(), key=lambda kv: archive.getinfo(f"{prefix}/data/{kv[0]}").file_size)
-            info = archive.getinfo(f"{prefix}/data/{key}")
-        with open(full_path, "rb") as file:  # the record's data starts after its local header
-            file.seek(info.header_offset + 26)
-            skip = int.from_bytes(file.read(2), "little") + int.from_bytes(file.read(2), "little")
-        offset = info.header_offset + 30 + skip + info.file_size // 2
-        _flip(full_path, offset)
-    else:
-        tensor = offset = None
-    tensor, offset = fabric.broadcast((tensor, offset))
-    report["flipped full byte"] = _expect_corruption(fabric, "full", lambda: load_into_fresh(full_path), full_path,
-                                                     tensor)
-    if fabric.global_rank == 0:
-        _flip(full_path, offset)
-    fabric.barrier()
-    assert _same(full_params(load_into_fresh(full_path)), good), "the repaired full checkpoint differs"
+    # 2. A flipped byte in a full file's tensor record: a model tensor (checked as the load broadcasts it) and an
+    # optimizer state tensor (checked after the optimizer's broadcasts).
+    for part in ("model.", "optimizer."):
+        if fabric.global_rank == 0:
+            with zipfile.ZipFile(full_path) as archive:
+                prefix = archive.namelist()[0].split("/")[0]
+                names = {k: n for k, n in tensor_record_names(archive.read(f"{prefix}/data.pkl")).items()
+                         if n.startswith(part)}
+                key, tensor = max(names.items(), key=lambda kv: archive.getinfo(f"{prefix}/data/{kv[0]}").file_size)
+                info = archive.getinfo(f"{prefix}/data/{key}")
+            with open(full_path, "rb") as file:  # the record's data starts after its local header
+                file.seek(info.header_offset + 26)
+                skip = int.from_bytes(file.read(2), "little") + int.from_bytes(file.read(2), "little")
+            offset = info.header_offset + 30 + skip + info.file_size // 2
+            _flip(full_path, offset)
+        else:
+            tensor = offset = None
+        tensor, offset = fabric.broadcast((tensor, offset))
+        report[f"flipped full byte, {part}"] = _expect_corruption(fabric, "full", lambda: load_into_fresh(full_path),
+                                                                  full_path, tensor)
+        if fabric.global_rank == 0:
+            _flip(full_path, offset)
+        fabric.barrier()
+        assert _same(full_params(load_into_fresh(full_path)), good), "the repaired full checkpoint differs"
 
     # 3. A shard copied in from another checkpoint of the same model (same layout, other values).
     if fabric.global_rank == 0:

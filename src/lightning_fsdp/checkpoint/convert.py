@@ -7,10 +7,9 @@ and ``inspect``. Pure functions for one process; nothing here needs a process gr
 - this module checks the options and the destination, and moves a complete output into place atomically.
 
 Nothing holds a whole model in memory: peak memory is about one read batch plus what the writer must hold (one
-tensor for a full file, one shard for safetensors, one tensor for DCP). A safetensors export without
-``max_shard_size`` is a single shard, so it holds all model weights at once (not the optimizer state). Measured on a
-201 MB model of 4 MiB tensors, extra peak RSS was 6 MB (full -> sharded) to 21 MB (sharded -> safetensors in 20 MB
-shards); ``tests/workers/convert_memory.py`` measures it.
+tensor for a full file, for a safetensors file of any size, and for DCP). Measured on a 277 MB model whose largest
+tensor is 8 MiB, converting to one safetensors file and to a full file each peaked 17 MB (0.06x) above the start
+(``benchmarks/convert_memory.py``); ``tests/workers/convert_memory.py`` holds the bound in the tests.
 
 Nothing is unpickled freely unless ``allow_pickle`` is given: DCP's ``.metadata`` goes through the allow-list of
 :mod:`.safe_pickle`, everything else through ``torch.load(weights_only=True)``. Sharded sources are checked against

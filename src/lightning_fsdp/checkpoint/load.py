@@ -183,6 +183,7 @@ def _load_full(
 ) -> dict[str, Any]:
     # Rank 0 maps the file; the others learn its keys and its non-tensor entries, then receive tensors one by one.
     contents: dict[str, Any] = {}
+    verifiers: list[checksums.LoadVerifier] = []  # rank 0's, once the file is open
 
     def open_file() -> None:
         if comm.global_rank == 0:  # only rank 0 reads the file, so only rank 0 checks it
@@ -191,9 +192,9 @@ def _load_full(
             except Exception:
                 checksums.verify_zip(source)  # a damaged file can fail to parse: report the damage, if that is it
                 raise
-            # Checked in the mapping the broadcast below reads from: the check takes the page faults the broadcast
-            # would take, and adds only the hashing.
-            if not checksums.verify_loaded(source, loaded):
+            # Checked as the broadcasts below read each tensor, in the same mapping (see LoadVerifier).
+            verifiers.append(checksums.LoadVerifier.open(source, loaded))
+            if not verifiers[0].recorded:
                 checksums.note_unverified(source)
             if not isinstance(loaded, dict):
                 raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
@@ -230,13 +231,31 @@ def _load_full(
                   for k, o in split.optimizers.items() if k in found}
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    check = verifiers[0].check if verifiers else lambda tensor: None
     for key, module in split.models.items():
         if key in found:
-            set_model_state_dict(module, entries.get(key, {}), options=options)
+            set_model_state_dict(module, _CheckedOnRead(entries.get(key, {}), check), options=options)
     for key, optimizer in split.optimizers.items():
         if key in found:
             set_optimizer_state_dict(split.owners[key], optimizer, entries.get(key, {}), options=options)
+    # A mismatch found while broadcasting raises here, on every rank, before the load returns. The damaged values
+    # have been broadcast by then (stopping rank 0 alone mid-broadcast would hang the others).
+    together(comm, f"Verifying {str(source)!r}", lambda: verifiers[0].finish() if verifiers else None)
     return _restore_metadata(state, split, metadata)
+
+
+class _CheckedOnRead(dict):
+    """A model's full state dict on rank 0 that hands each tensor to ``check`` as the state-dict API takes it to
+    broadcast it (``state_dict[key]``), so its record is hashed right before the broadcast reads the same pages."""
+
+    def __init__(self, entries: dict[str, Any], check: Any) -> None:
+        super().__init__(entries)
+        self._check = check
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        self._check(value)
+        return value
 
 
 def _param_names(model: Module, optimizer: Optimizer) -> list[str]:

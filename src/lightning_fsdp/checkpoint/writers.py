@@ -2,8 +2,9 @@
 
 Each writer reads tensors from the source a little at a time and writes and frees each before more are read, so
 peak memory is about one read batch plus what the writer must hold: one tensor for a full file (streamed by
-:func:`~lightning_fsdp.checkpoint.full_writer.write_streaming`), one shard for safetensors, one tensor for DCP
-(see :class:`_StreamingSavePlanner`). Each writes into a staging path that the caller moves into place.
+:func:`~lightning_fsdp.checkpoint.full_writer.write_streaming`) and for safetensors (:mod:`.safetensors_stream`),
+one tensor for DCP (see :class:`_StreamingSavePlanner`). Each writes into a staging path that the caller moves
+into place.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
 from lightning_fsdp.checkpoint.full_writer import save_file, write_streaming
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
-from lightning_fsdp.checkpoint.memory import drop_file_pages
+from lightning_fsdp.checkpoint.memory import drop_file_pages, return_freed_memory
 from lightning_fsdp.checkpoint.readers import (
     Checkpoint,
     TensorEntry,
@@ -29,6 +30,7 @@ from lightning_fsdp.checkpoint.readers import (
     _map_leaves,
     _single_process,
 )
+from lightning_fsdp.checkpoint.safetensors_stream import SafetensorsItem, ordered, write_file
 
 __all__ = ["write_full", "write_sharded", "write_safetensors", "export_name", "Progress", "SAFETENSORS_FILENAME",
            "SAFETENSORS_INDEX_FILENAME"]
@@ -112,12 +114,16 @@ class _StreamingSavePlanner(dcp.DefaultSavePlanner):
 
 def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, single_file: bool,
                        max_shard_size: Optional[int], progress: Optional[Progress], strip_prefix: str = "") -> None:
-    """Write the weights of the models ``keys``; one model's names lose ``strip_prefix`` (checked by the caller)."""
-    from safetensors.torch import save_file
+    """Write the weights of the models ``keys``; one model's names lose ``strip_prefix`` (checked by the caller).
 
+    Streamed (:mod:`.safetensors_stream`): each file's header comes from shapes and dtypes alone, then each tensor
+    is read, written and freed in turn, so the extra memory is about one read batch, whatever the file's size.
+    Every name gets its own bytes, as ``safetensors.torch.save_file`` requires: tied weights, and views that
+    ``torch.save`` kept sharing one storage, are each written in full.
+    """
     prefixed = len(keys) > 1
     entries = checkpoint.tensors(keys)
-    names = {id(e): export_name(e, prefixed)[len(strip_prefix):] for e in entries}
+    items = {id(e): SafetensorsItem(export_name(e, prefixed)[len(strip_prefix):], e.shape, e.dtype) for e in entries}
     shards = list(_batches(entries, max_shard_size)) if max_shard_size else [entries]
     if single_file:
         files = [staged]
@@ -127,27 +133,33 @@ def write_safetensors(checkpoint: Checkpoint, keys: list[str], staged: Path, *, 
         files = [staged / (SAFETENSORS_FILENAME if single else _SHARD_NAME.format(index=i + 1, count=len(shards)))
                  for i in range(len(shards))]
     meter = _Meter(entries, progress)
+    # Only a full source's tensors are file mappings. A sharded source's are fresh heap memory, whose pages must
+    # never be dropped: the kernel would zero them, neighbours and allocator bookkeeping included.
+    mapped = isinstance(checkpoint, _FullCheckpoint)
     weight_map: dict[str, str] = {}
     for shard, file in zip(shards, files):
-        tensors: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-        for entry, tensor in checkpoint.read(shard):
-            # safetensors writes exactly a tensor's elements, but refuses tensors that overlap in memory: tied
-            # weights, or views of one storage that torch.save kept shared (`a = w[:6]; b = w[4:]`). A tensor gets
-            # its own copy when it is not contiguous or when an earlier one of this shard used its storage.
-            storage = tensor.untyped_storage().data_ptr()
-            if storage in storages or not tensor.is_contiguous():
-                tensor = tensor.clone(memory_format=torch.contiguous_format)
-            storages.add(tensor.untyped_storage().data_ptr())
-            tensors[names[id(entry)]] = tensor
-            weight_map[names[id(entry)]] = file.name
-        save_file(tensors, str(file), metadata={"format": "pt"})  # "pt": what transformers checks before loading
+        entry_of = {items[id(e)].name: e for e in shard}
+        try:
+            layout = ordered(items[id(e)] for e in shard)
+        except TypeError as err:  # a dtype safetensors lacks: the user's to fix, in one line
+            raise UsageError(str(err)) from err
+        in_file_order = [entry_of[item.name] for item in layout]
+
+        def written(item: SafetensorsItem, tensor: torch.Tensor) -> None:
+            if mapped:  # a memory-mapped source's pages stay resident until dropped
+                drop_file_pages(tensor)
+            meter.add(entry_of[item.name])
+
+        reading = (tensor for _, tensor in checkpoint.read(in_file_order))
+        # "pt": what transformers checks before loading
+        write_file(file, layout, reading, metadata={"format": "pt"}, written=written)
+        reading.close()
+        return_freed_memory()
         _umask_mode(file)
-        for entry in shard:
-            meter.add(entry)
-        del tensors  # written: free the shard before reading the next one
+        weight_map.update((item.name, file.name) for item in layout)
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {items[id(e)].name: weight_map[items[id(e)].name] for e in entries}}
         (staged / SAFETENSORS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
