@@ -30,6 +30,9 @@ from rows import format_table  # noqa: E402
 # name -> (script, arguments for a full run, arguments for --quick)
 SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "training": ("training_figures.py", [], ["--size", "tiny", "--rounds", "2", "--steps", "1"]),
+    "save": ("save_figures.py", [], ["--rounds", "1", "--layers", "2", "--dim", "128"]),
+    "load": ("checksum_cost.py", [], ["--rounds", "1", "--loads", "1", "--layers", "2", "--dim", "256"]),
+    "convert": ("convert_memory.py", [], ["--rounds", "1", "--layers", "4"]),
     "mfu": ("mfu.py", [], ["--rounds", "1", "--steps", "2"]),  # reports nothing without a CUDA device
 }
 
