@@ -153,8 +153,9 @@ def per_unit_reshard_reaches_the_right_units_full_shard():
 
 @case
 def per_unit_reshard_reaches_the_right_units_shard_grad_op():
-    # Units no key names follow the strategy: SHARD_GRAD_OP keeps them.
-    return _per_unit_case("SHARD_GRAD_OP", {"root": True, "models.Block": True, "blocks.3": False},
+    # Units no key names follow the strategy: SHARD_GRAD_OP keeps them. The module name wins over the class even
+    # though it comes first: the most specific key decides, not the order.
+    return _per_unit_case("SHARD_GRAD_OP", {"blocks.3": False, "root": True, "models.Block": True},
                           {"": "reshard", "blocks.0": "reshard", "blocks.1": "reshard", "blocks.2": "reshard",
                            "blocks.3": "keep"})
 
