@@ -5,20 +5,19 @@ every-2nd / selective, each as a ratio against its baseline measured in the same
 
 The example GPT (``examples/train_gpt.py``: token and position embeddings, pre-norm blocks with
 ``F.scaled_dot_product_attention`` and a GELU MLP) at 17.4M parameters (vocab 4096, 8 blocks of width 384), AdamW,
-fp32 on CPU with gloo. Two launches of ``torch.distributed.run``:
+fp32 on CPU with gloo. Two suites, each run as two launches of ``torch.distributed.run`` (step times, then memory):
 
 - 2 ranks: FSDP2's default prefetching against ``forward_prefetch=1`` and ``backward_prefetch=2``, and the four
   kinds of activation checkpointing;
 - 4 ranks (an int reshard needs a shard axis with a smaller group in it): ``reshard_after_forward=2`` against True.
 
 Step time: per configuration and round, set up, one warm-up step (it creates the optimizer state), then ``--steps``
-timed steps, whose mean is the round's step time. Memory, measured after every step time (``--memory-rounds``
-rounds): set up, a warm-up step, then the extra peak RSS of one forward and backward (where activations live) over
+timed steps, whose mean is the round's step time. Memory, in a launch of its own (``--memory-rounds`` rounds): set up, a warm-up step, then the extra peak RSS of one forward and backward (where activations live) over
 the resting state with optimizer state:
 glibc's ``malloc_trim(0)`` first returns freed heap pages, ``5 > /proc/self/clear_refs`` resets the peak to the
 current RSS, and ``VmHWM`` after the backward minus that is the extra; the larger of the ranks' values is reported.
-In the memory phase, allocations of 64 KiB and more get pages of their own (a fixed glibc mmap threshold), so RSS
-follows the live tensors (see ``PeakMeter``). Configurations run in an order that
+In the memory launch, allocations of 64 KiB and more get pages of their own (a fixed glibc mmap threshold, set at
+start), so RSS follows the live tensors (see ``PeakMeter``). Configurations run in an order that
 alternates from round to round (``rows.alternate``). Nothing is asserted: a missed target reads ``met: false``.
 
 Run it alone on the machine (``flock /tmp/cpu.lock python benchmarks/controls.py``): the ranks share the cores.
@@ -45,7 +44,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 from rows import alternate, emit, figure, ratios  # noqa: E402
 
 MODEL = dict(vocab_size=4096, block_size=64, n_layer=8, n_head=6, n_embd=384)
-BATCH = {2: 4, 4: 2}  # sequences of MODEL["block_size"] tokens per rank and step, by world size
+# 8 sequences per rank on 2 ranks, so that compute, which checkpointing changes, is most of a step and not the gloo
+# collectives; 2 on 4 ranks (twice the processes on the same cores) keeps that launch short.
+BATCH = {2: 8, 4: 2}  # sequences of MODEL["block_size"] tokens per rank and step, by world size
 
 # suite -> (ranks, {configuration: strategy arguments}); the first configuration is the suite's baseline.
 SUITES = {
@@ -70,11 +71,12 @@ SUITES = {
 class PeakMeter:
     """The extra peak RSS of a block of code, from the kernel's own counters (``VmHWM``, reset by ``clear_refs``).
 
-    ``exact_pages()`` first gives every allocation of 64 KiB and more pages of its own (a fixed glibc mmap
-    threshold), returned to the kernel when freed, so RSS follows the live tensors instead of what the heap keeps
-    from earlier steps (which made the measured peak depend on the process's history more than on the
-    configuration). glibc cannot go back to its dynamic threshold afterwards, and a page fault per tensor slows
-    steps down, so the worker measures all step times first and memory after.
+    ``exact_pages()``, called when the process starts, gives every allocation of 64 KiB and more pages of its own (a
+    fixed glibc mmap threshold), returned to the kernel when freed, so RSS follows the live tensors instead of what
+    the heap keeps from earlier steps. Called late, in a process whose heap is already large and fragmented, it
+    does not help: small allocations then land in scattered free chunks whose pages ``malloc_trim`` gave back, and
+    each touches a fresh page (about 200 MB of phantom peak here). A page fault per tensor also slows steps down, so
+    step times and memory are measured in separate launches.
     """
 
     def __init__(self) -> None:
@@ -101,7 +103,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(suite: str, rounds: int, memory_rounds: int, steps: int, out: Path) -> None:
+def worker(suite: str, phase: str, rounds: int, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -110,9 +112,11 @@ def worker(suite: str, rounds: int, memory_rounds: int, steps: int, out: Path) -
     import train_gpt
     from lightning_fsdp.fabric import FSDPStrategy
 
+    meter = PeakMeter()
+    if phase == "memory":
+        meter.exact_pages()
     torch.set_num_threads(1)
     world, configurations = SUITES[suite]
-    meter = PeakMeter()
     generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
 
     def forward_backward(model, fabric) -> None:
@@ -153,28 +157,27 @@ def worker(suite: str, rounds: int, memory_rounds: int, steps: int, out: Path) -
         dist.all_reduce(extra, op=dist.ReduceOp.MAX)
         return extra.item()
 
-    times = alternate(rounds, {name: (lambda kw=kw: step_time(kw)) for name, kw in configurations.items()})
-    meter.exact_pages()
-    peaks = alternate(memory_rounds, {name: (lambda kw=kw: peak(kw)) for name, kw in configurations.items()})
+    measure = step_time if phase == "time" else peak
+    samples = alternate(rounds, {name: (lambda kw=kw: measure(kw)) for name, kw in configurations.items()})
     if int(os.environ["RANK"]) == 0:
         params = sum(p.numel() for p in train_gpt.GPT(train_gpt.GPTConfig(**MODEL)).parameters())
-        out.write_text(json.dumps({"params": params, "world": world, "times": times, "peaks": peaks}))
+        out.write_text(json.dumps({"params": params, "world": world, "samples": samples}))
 
 
 # --- parent side: launch, then turn the samples into rows ---------------------------------------------------------
 
 
-def launch(suite: str, rounds: int, memory_rounds: int, steps: int, folder: Path) -> dict:
+def launch(suite: str, phase: str, rounds: int, steps: int, folder: Path) -> dict:
     world = SUITES[suite][0]
-    out = folder / f"{suite}.json"
+    out = folder / f"{suite}-{phase}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", str(Path(__file__).resolve()), "--worker", suite, "--rounds", str(rounds),
-               "--memory-rounds", str(memory_rounds), "--steps", str(steps), "--out", str(out)]
+               f"--master_port={_free_port()}", str(Path(__file__).resolve()), "--worker", suite, "--phase", phase,
+               "--rounds", str(rounds), "--steps", str(steps), "--out", str(out)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
-        raise SystemExit(f"the {suite} launch failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise SystemExit(f"the {suite} {phase} launch failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -187,14 +190,14 @@ def _free_port() -> int:
 
 
 def rows_from(two: dict, four: dict) -> list[dict]:
-    s = {name: (two["times"][name], two["peaks"][name]) for name in two["times"]}
-    model = f"{two['params'] / 1e6:.1f}M-param GPT"
+    s = {name: (two["time"]["samples"][name], two["memory"]["samples"][name]) for name in two["time"]["samples"]}
+    model = f"{two['time']['params'] / 1e6:.1f}M-param GPT"
     rows = []
     for name in ("forward_prefetch=1", "backward_prefetch=2"):
         rows.append(figure(f"step time, {name} vs FSDP2's default prefetch", ratios(s[name][0], s["none"][0]),
                            baseline=f"default prefetch, {model}, 2 ranks",
                            detail={"seconds": s[name][0], "baseline_seconds": s["none"][0]}))
-    r = {name: (four["times"][name], four["peaks"][name]) for name in four["times"]}
+    r = {name: (four["time"]["samples"][name], four["memory"]["samples"][name]) for name in four["time"]["samples"]}
     for name in ("reshard=2",):
         rows.append(figure(f"step time, reshard_after_forward={name.split('=')[1]} vs True (4 ranks)",
                            ratios(r[name][0], r["reshard=True"][0]), baseline="reshard_after_forward=True, 4 ranks",
@@ -223,19 +226,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--worker", choices=sorted(SUITES), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("time", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.rounds, args.memory_rounds, args.steps, args.out)
+        worker(args.worker, args.phase, args.rounds, args.steps, args.out)
         return
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        two = launch("two_ranks", args.rounds, args.memory_rounds, args.steps, Path(folder))
-        four = launch("four_ranks", args.rounds, args.memory_rounds, args.steps, Path(folder))
+        two, four = ({phase: launch(suite, phase, args.rounds if phase == "time" else args.memory_rounds, args.steps,
+                                    Path(folder)) for phase in ("time", "memory")} for suite in ("two_ranks", "four_ranks"))
     rows = rows_from(two, four)
     selective_peak = next(r for r in rows if r["figure"] == "forward+backward peak, checkpointing selective vs none")
     selective_time = next(r for r in rows if r["figure"] == "step time, checkpointing selective vs full")
-    print(f"model: {two['params'] / 1e6:.1f}M params, {BATCH[2]}x{MODEL['block_size']} tokens per rank and step"
+    print(f"model: {two['time']['params'] / 1e6:.1f}M params, {BATCH[2]}x{MODEL['block_size']} tokens per rank and step"
           f" ({BATCH[4]}x{MODEL['block_size']} on 4 ranks);"
           f" {args.rounds} rounds of step times, {args.memory_rounds} of memory, {time.perf_counter() - start:.0f} s")
     print("selective uses less memory than none and steps faster than full:",
