@@ -4,13 +4,13 @@ forward, and ranks seeded differently (see ``workers/patterns.py``), one launch 
 from launch import case_tests
 
 _STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "full_shard_ac", "shard_grad_op_ac", "cpu_offload",
-               "keep_after_forward"]
+               "keep_after_forward", "per_unit_reshard"]
 
 CASES = [f"no_grad_forward_before_step_{label}" for label in _STRATEGIES] + [
     f"{kind}_forward_before_step_{label}"
     for label in ("full_shard", "shard_grad_op_ac", "cpu_offload")
     for kind in ("inference_mode", "eval_mode", "generation")
-] + [
+] + ["generation_forward_before_step_per_unit_reshard"] + [
     "two_forwards_one_backward",
     "extra_forwards_change_nothing_under_bf16_mixed",
     "ema_teacher_updated_in_place_full_shard",

@@ -161,3 +161,31 @@ def test_predicted_peak_is_within_10_percent_of_a_real_two_rank_step(name):
     predicted = plan_accuracy.predict(name)
     measured = plan_accuracy.measure(name)["tracker_peak"]
     assert abs(predicted - measured) <= 0.10 * measured, f"{name}: predicted {predicted}, measured {measured}"
+
+
+def test_controls_are_planned_from_the_command_line(models_dir):
+    """The speed and memory controls reach the plan by their strategy names: selective and every-2nd checkpointing
+    lower the planned activations below none and stay above full checkpointing; prefetch and a per-unit reshard
+    are accepted in their JSON spellings."""
+    base = ("--model", "mymodels:build", "--inputs", "mymodels:batch", "--world-size", "2",
+            "--auto-wrap-policy", "train_gpt.Block", "--json")
+    peaks = {}
+    for label, extra in (
+        ("none", ()),
+        ("full", ("--activation-checkpointing-policy", "train_gpt.Block")),
+        ("every2", ("--activation-checkpointing-policy", '{"blocks": ["train_gpt.Block"], "every": 2}')),
+        ("selective", ("--activation-checkpointing-policy", '{"save_ops": "default"}',
+                       "--forward-prefetch", "1", "--backward-prefetch", "2",
+                       "--reshard-after-forward", '{"root": true, "blocks.3": false}')),
+    ):
+        proc = run_plan(models_dir, *base, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plan = json.loads(proc.stdout)
+        peaks[label] = plan["breakdown"]["activations at the peak"]
+        if label == "selective":
+            assert plan["settings"]["forward_prefetch"] == 1 and plan["settings"]["backward_prefetch"] == 2
+            assert plan["settings"]["reshard_after_forward"] == {"root": True, "blocks.3": False}
+    assert peaks["full"] < peaks["every2"] < peaks["none"], peaks
+    assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
+    bad = run_plan(models_dir, *base, "--backward-prefetch", "0")
+    assert bad.returncode != 0 and "--backward-prefetch 0" in bad.stderr and "HINT" in bad.stderr, bad.stderr

@@ -44,6 +44,9 @@ EXPECTED = {
     "fsdp_cpu_offload_bf16.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="full", mesh=None, offload=True, precision="bf16-mixed", checkpointing=True),
     "hsdp_cpu.yaml": dict(sharding=ShardingStrategy.HYBRID_SHARD, state="full", mesh=(2, 2), offload=False, precision="32-true", checkpointing=False, no_sync="reduce_scatter_only", accumulate=2),
     "fsdp_gpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="bf16-mixed", checkpointing=True, async_save=True),
+    "fsdp_cpu_controls.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="32-true", checkpointing=True,
+                                   prefetch=(1, 2), reshard=(("root", True), ("model.blocks.3", False)), every=2,
+                                   save_ops=(torch.ops.aten.mm, torch.ops.aten.native_layer_norm)),
 }
 
 
@@ -72,6 +75,14 @@ def test_config_builds_the_strategy_it_describes(name):
     assert cli.trainer.precision == expected["precision"]
     # The rest of what configs/README.md says of each config.
     assert config.hybrid_no_sync == expected.get("no_sync", "skip_all")
+    # The speed and memory controls: YAML ints, mappings and op names reach the strategy as their Python forms.
+    assert (config.forward_prefetch, config.backward_prefetch) == expected.get("prefetch", (0, 1))
+    reshard = config.reshard_after_forward
+    assert (reshard.entries if reshard is not None else None) == expected.get("reshard")
+    if expected["checkpointing"]:
+        policy = config.activation_checkpointing_policy
+        assert getattr(policy, "every", 1) == expected.get("every", 1)
+        assert all(op in (getattr(policy, "save_ops", None) or ()) for op in expected.get("save_ops", ()))
     assert config.async_save is expected.get("async_save", False)
     assert cli.trainer.accumulate_grad_batches == expected.get("accumulate", 1)
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -90,8 +101,11 @@ def test_config_builds_the_strategy_it_describes(name):
          dict(activation_checkpointing_policy=["math.pi"])),
         ("--trainer.strategy.init_args.device_mesh=[0, 2]", dict(sharding_strategy="HYBRID_SHARD", device_mesh=[0, 2])),
         ("--trainer.strategy.init_args.state_dict_type=local", dict(state_dict_type="local")),
+        ("--trainer.strategy.init_args.backward_prefetch=0", dict(backward_prefetch=0)),
+        ("--trainer.strategy.init_args.activation_checkpointing_policy={every: 2, save_ops: [aten.no_such_op]}",
+         dict(activation_checkpointing_policy={"every": 2, "save_ops": ["aten.no_such_op"]})),
     ],
-    ids=["sharding", "policy", "checkpointing-policy", "mesh", "state-dict-type"],
+    ids=["sharding", "policy", "checkpointing-policy", "mesh", "state-dict-type", "backward-prefetch", "save-ops"],
 )
 def test_bad_yaml_value_fails_with_the_python_message(tmp_path, capsys, override, python_kwargs):
     with pytest.raises((ValueError, TypeError)) as python_error:

@@ -9,6 +9,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # tor
     checkpoint_wrapper,
 )
 
+# The classes of torch op objects (`torch.ops.aten.mm`, `torch.ops.aten.mm.default`): selective activation
+# checkpointing takes ops from the user, by object or by name.
+from torch._ops import OpOverload, OpOverloadPacket
+
 # Lightning's helpers for precision plugins: casting floating-point tensors and setting the default dtype.
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
@@ -62,6 +66,8 @@ __all__ = [
     "CheckpointImpl",
     "CheckpointWrapper",
     "checkpoint_wrapper",
+    "OpOverload",
+    "OpOverloadPacket",
     "convert_fp_tensor",
     "DtypeContextManager",
     "FabricConnector",

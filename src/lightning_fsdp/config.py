@@ -18,9 +18,12 @@ from typing import Any, Literal, Optional, Union
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from lightning_fsdp.activation_checkpointing import parse_checkpointing_policy
 from lightning_fsdp.errors import bad_argument
 from lightning_fsdp.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.policy import Policy, PolicyInput, parse_policy
+from lightning_fsdp.prefetch import parse_backward_prefetch, parse_forward_prefetch
+from lightning_fsdp.resharding import ReshardPlan, parse_reshard_after_forward
 
 __all__ = [
     "FSDPConfig",
@@ -80,7 +83,7 @@ class FSDPConfig:
     """The validated strategy configuration. Build it with :meth:`from_arguments`."""
 
     sharding_strategy: ShardingStrategy
-    reshard_after_forward: Optional[Union[bool, int]]
+    reshard_after_forward: Optional[Union[bool, int, ReshardPlan]]  # a ReshardPlan: per-unit choices
     offload_policy: OffloadPolicy
     mixed_precision: Optional[MixedPrecisionPolicy]
     auto_wrap_policy: Policy
@@ -92,6 +95,8 @@ class FSDPConfig:
     sync_module_states: bool = True
     timeout: Optional[timedelta] = None  # None: the backend's default
     param_init_fn: ParamInitFn = None
+    forward_prefetch: int = 0  # units ahead; 0: FSDP2's default (see `prefetch.py`)
+    backward_prefetch: int = 1  # units ahead; 1: FSDP2's default
 
     @property
     def cpu_offload(self) -> bool:
@@ -102,7 +107,7 @@ class FSDPConfig:
         cls,
         *,
         sharding_strategy: ShardingInput = "FULL_SHARD",
-        reshard_after_forward: Optional[Union[bool, int]] = None,
+        reshard_after_forward: Optional[Union[bool, int, dict[Any, Union[bool, int]]]] = None,
         cpu_offload: Union[bool, CPUOffloadPolicy, None] = None,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         auto_wrap_policy: Optional[PolicyInput] = None,
@@ -115,11 +120,13 @@ class FSDPConfig:
         sync_module_states: Optional[bool] = None,
         timeout: Union[timedelta, float, None] = None,
         param_init_fn: Any = None,
+        forward_prefetch: Union[int, bool, None] = 0,
+        backward_prefetch: Any = 1,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         return cls(
             sharding_strategy=strategy,
-            reshard_after_forward=_parse_reshard_after_forward(reshard_after_forward),
+            reshard_after_forward=parse_reshard_after_forward(reshard_after_forward),
             offload_policy=_parse_cpu_offload(cpu_offload),
             mixed_precision=_parse_mixed_precision(mixed_precision),
             auto_wrap_policy=parse_policy("auto" if auto_wrap_policy is None else auto_wrap_policy, "auto_wrap_policy"),
@@ -133,6 +140,8 @@ class FSDPConfig:
             sync_module_states=_parse_sync_module_states(sync_module_states),
             timeout=parse_timeout(timeout),
             param_init_fn=_parse_param_init_fn(param_init_fn),
+            forward_prefetch=parse_forward_prefetch(forward_prefetch),
+            backward_prefetch=parse_backward_prefetch(backward_prefetch),
         )
 
 
@@ -142,8 +151,6 @@ class FSDPConfig:
 _FSDP1_KWARGS = {
     "use_orig_params": "FSDP2 always keeps the original parameters",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by itself",
-    "forward_prefetch": "FSDP2 prefetches by itself",
-    "backward_prefetch": "FSDP2 prefetches by itself",
     "device_id": "the device comes from the accelerator",
     "ignored_states": "not supported by this strategy",
     "ignored_modules": "not supported by this strategy",
@@ -211,20 +218,6 @@ def parse_timeout(value: Any) -> Optional[timedelta]:
     )
 
 
-def _parse_reshard_after_forward(value: Any) -> Optional[Union[bool, int]]:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value > 1:
-        return value
-    raise ValueError(
-        bad_argument(
-            "reshard_after_forward", value,
-            "None (follow sharding_strategy), True, False, or an int > 1 that divides the shard-axis size",
-            "Use `reshard_after_forward=True` to free parameters after forward, or False to keep them.",
-        )
-    )
-
-
 def _parse_cpu_offload(value: Any) -> OffloadPolicy:
     if value is None or value is False:
         return OffloadPolicy()
@@ -274,8 +267,8 @@ def _parse_activation_checkpointing(policy: Any, legacy: Any) -> Optional[Policy
             DeprecationWarning,
             stacklevel=4,
         )
-        return parse_policy(legacy, "activation_checkpointing")
-    return parse_policy(policy, "activation_checkpointing_policy")
+        return parse_checkpointing_policy(legacy, "activation_checkpointing")
+    return parse_checkpointing_policy(policy, "activation_checkpointing_policy")
 
 
 def _parse_choice(argument: str, value: Any, allowed: tuple[str, ...]) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -53,14 +54,27 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             host memory (pinned on CUDA).
         mixed_precision: a ``MixedPrecisionPolicy`` that overrides the one the precision setting implies.
         auto_wrap_policy: which modules become FSDP units; see :mod:`lightning_fsdp.policy`. Default ``"auto"``.
-        activation_checkpointing_policy: which modules recompute activations in backward; same policy language.
+        activation_checkpointing_policy: which modules recompute activations in backward; same policy language, or
+            a dict for finer control: ``{"blocks": [Block], "every": 2}`` checkpoints every 2nd block (the 2nd, 4th,
+            ... in module order); ``{"save_ops": "default"}`` is op-level selective checkpointing (the outputs of
+            matmuls and attention are saved, pointwise ops recomputed), ``"save_ops"`` also takes a list of op
+            names such as ``"torch.ops.aten.mm"``. See :mod:`lightning_fsdp.activation_checkpointing`.
         activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
         sharding_strategy: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` or
             ``_HYBRID_SHARD_ZERO2`` (any case), or torch's ``ShardingStrategy`` enum.
         state_dict_type: ``"sharded"`` (default; a DCP directory) or ``"full"`` (one file).
         device_mesh: ``(replicate, shard)`` sizes or a ``DeviceMesh``, for hybrid sharding.
             Default: ``(num_nodes, devices per node)``.
-        reshard_after_forward: FSDP2's own switch; overrides what ``sharding_strategy`` implies.
+        reshard_after_forward: FSDP2's own switch; overrides what ``sharding_strategy`` implies. ``True``/``False``;
+            an int ``k`` that divides the shard-axis size keeps a copy sharded over groups of ``k`` ranks after
+            forward, so backward gathers within the group; or a dict per unit, keyed by ``"root"``, a module class
+            (object, dotted path or bare name) or a module name (``"blocks.11"``), e.g. ``{"root": True, "Block":
+            2}``; units not named follow ``sharding_strategy``. See :mod:`lightning_fsdp.resharding`.
+        forward_prefetch: how many units ahead each unit starts the all-gather in forward. ``0`` (default) is
+            FSDP2's own behaviour; ``True`` means 1. Units are assumed to run in module-tree order (a ``ModuleList``
+            of blocks called in a loop); see :mod:`lightning_fsdp.prefetch`.
+        backward_prefetch: how many units ahead, in backward order, each unit starts the all-gather. ``1`` (default)
+            is FSDP2's own behaviour, and FSDP1's ``BackwardPrefetch.BACKWARD_PRE``; FSDP2 cannot go lower.
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips
             every gradient collective; ``"reduce_scatter_only"`` still reduce-scatters inside each shard group, which
             keeps gradients sharded, and skips only the all-reduce across replicas.
@@ -93,15 +107,17 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         auto_wrap_policy: Optional[PolicyInput] = None,
         activation_checkpointing: Optional[Any] = None,
-        activation_checkpointing_policy: Optional[PolicyInput] = None,
+        activation_checkpointing_policy: Optional[Union[PolicyInput, dict[str, Any]]] = None,
         sharding_strategy: ShardingInput = "FULL_SHARD",
         state_dict_type: StateDictType = "sharded",
         device_mesh: Optional[MeshInput] = None,
-        reshard_after_forward: Optional[Union[bool, int]] = None,
+        reshard_after_forward: Optional[Union[bool, int, dict[str, Union[bool, int]]]] = None,
         hybrid_no_sync: HybridNoSync = "skip_all",
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
         param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
+        forward_prefetch: Union[int, bool] = 0,
+        backward_prefetch: Union[int, str, Enum] = 1,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))

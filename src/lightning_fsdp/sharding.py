@@ -3,10 +3,13 @@ remapping of optimizers onto the sharded parameters.
 
 The order matters and is fixed in :func:`shard_model`:
 
-1. activation checkpointing wraps the chosen blocks (so recomputation happens inside one FSDP unit);
-2. ``fully_shard`` runs bottom-up on the policy's units, then on the root;
-3. meta-device parameters are materialized, now as local shards only, and initialized (see :mod:`.meta_init`);
-4. optimizers are pointed at the final parameter objects.
+1. activation checkpointing wraps the chosen blocks (so recomputation happens inside one FSDP unit; see
+   :mod:`.activation_checkpointing`);
+2. ``fully_shard`` runs bottom-up on the policy's units, then on the root, each with its ``reshard_after_forward``
+   (see :mod:`.resharding`);
+3. prefetching between the units is registered (see :mod:`.prefetch`);
+4. meta-device parameters are materialized, now as local shards only, and initialized (see :mod:`.meta_init`);
+5. optimizers are pointed at the final parameter objects.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 
-from lightning_fsdp._compat import CheckpointImpl, CheckpointWrapper, checkpoint_wrapper
+from lightning_fsdp.activation_checkpointing import apply_activation_checkpointing, through_checkpoint_wrappers
 from lightning_fsdp.at_rest import reshard_all
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.meta_init import has_meta_tensors, materialize
 from lightning_fsdp.policy import Policy, candidate_block_classes, describe_units
+from lightning_fsdp.prefetch import apply_prefetch
+from lightning_fsdp.resharding import ReshardChoice, ReshardPlan, check_divides
 
 __all__ = [
     "ShardedModel",
@@ -114,27 +119,25 @@ def shard_model(
         # Choose the units before checkpoint wrappers change the module tree the policy looks at.
         blocks = _select_units(module, config.auto_wrap_policy)
     if config.activation_checkpointing_policy is not None:
-        _apply_activation_checkpointing(module, config.activation_checkpointing_policy)
+        apply_activation_checkpointing(module, config.activation_checkpointing_policy)
 
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": _offload_policy_for(config, device),
     }
-    reshard = config.reshard_after_forward
-    if reshard is None:
-        reshard = config.sharding_strategy.default_reshard_after_forward
     # Named now: `fully_shard` swaps each unit's class for an `FSDP<Name>` subclass.
     summary = describe_units([m for m in blocks or existing_units if m is not module])
-    # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
-    for unit in reversed(_through_checkpoint_wrappers(module, blocks)):
-        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    roots = harness_roots(module) if harness else [module]
+    units = through_checkpoint_wrappers(module, blocks)
+    roots = harness_roots(module, extra_units=units) if harness else [module]
     if harness:
         summary += f" ({', '.join(type(r).__name__ for r in roots)})"
-    for root in roots:
-        if not isinstance(root, FSDPModule):
-            fully_shard(root, reshard_after_forward=reshard, **kwargs)
+    new_roots = [r for r in roots if not isinstance(r, FSDPModule)]
+    reshard = _reshard_choices(module, config, mesh, units, new_roots)
+    # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
+    for unit in [*reversed(units), *new_roots]:
+        fully_shard(unit, reshard_after_forward=reshard[id(unit)], **kwargs)
+    apply_prefetch(roots, config.forward_prefetch, config.backward_prefetch)
 
     if has_meta_tensors(module):
         # Parameters: the per-shard seeding in `materialize` gives shards their own values and keeps replicas
@@ -145,12 +148,13 @@ def shard_model(
     return ShardedModel(module=module, summary=summary, roots=roots)
 
 
-def harness_roots(module: nn.Module) -> list[nn.Module]:
+def harness_roots(module: nn.Module, extra_units: Sequence[nn.Module] = ()) -> list[nn.Module]:
     """The top-level submodules of ``module`` that hold parameters no unit manages, looking through containers that
     have no forward of their own (``ModuleList``, ``ModuleDict``). Each becomes a root unit, so one forward gathers
     what it uses; several roots (a generator and a discriminator) each run FSDP's usual forward/backward cycle, which
-    is what lets a step run several forwards, backwards and optimizer steps in any order."""
-    managed = {id(p) for unit in _fsdp_units(module) for p in unit.parameters()}
+    is what lets a step run several forwards, backwards and optimizer steps in any order. ``extra_units`` are modules
+    about to become units, so the roots can be known before ``fully_shard`` runs."""
+    managed = {id(p) for unit in [*_fsdp_units(module), *extra_units] for p in unit.parameters()}
     roots: list[nn.Module] = []
 
     def visit(parent: nn.Module, prefix: str) -> None:
@@ -308,50 +312,32 @@ def _select_units(module: nn.Module, policy: Policy) -> list[nn.Module]:
     return units
 
 
-def _through_checkpoint_wrappers(module: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """A block wrapped for activation checkpointing becomes a unit through its wrapper, so that the recomputed
-    forward runs inside the unit whose parameters it gathers."""
-    wrappers = {id(m._checkpoint_wrapped_module): m for m in module.modules() if isinstance(m, CheckpointWrapper)}
-    return [wrappers.get(id(b), b) for b in blocks]
-
-
-def _apply_activation_checkpointing(module: nn.Module, policy: Policy) -> None:
-    if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
-        warnings.warn(
-            f"The model already contains activation-checkpoint wrappers; `{policy.argument}` is ignored so no block is"
-            " checkpointed twice.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return
-    chosen = policy.select(module)
-    if not chosen:
-        candidates = ", ".join(candidate_block_classes(module)) or "(none)"
-        warnings.warn(
-            f"`{policy.argument}` selected no module, so nothing is checkpointed. Candidate block classes:"
-            f" {candidates}.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return
-    chosen_ids = {id(m) for m in chosen}
-    # Replace children in place, parents first; a chosen module nested inside another chosen one is left alone,
-    # since the outer recomputation already covers it.
-    _wrap_children(module, chosen_ids)
-
-
-def _wrap_children(parent: nn.Module, chosen_ids: set[int]) -> None:
-    for name, child in list(parent.named_children()):
-        if id(child) in chosen_ids:
-            # Non-reentrant checkpointing composes with FSDP2's hooks and keeps state-dict keys clean.
-            setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
-        else:
-            _wrap_children(child, chosen_ids)
-
-
 def _offload_policy_for(config: FSDPConfig, device: torch.device):
     policy = config.offload_policy
     if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and device.type == "cpu":
         # Pinning needs an accelerator; on a CPU run the "offloaded" shards already live in host memory.
         return CPUOffloadPolicy(pin_memory=False)
     return policy
+
+
+def _reshard_choices(
+    module: nn.Module, config: FSDPConfig, mesh: DeviceMesh, units: list[nn.Module], roots: list[nn.Module]
+) -> dict[int, ReshardChoice]:
+    """``reshard_after_forward`` for each module about to become a unit (by ``id``), checked against the mesh."""
+    default = config.reshard_after_forward
+    if default is None or isinstance(default, ReshardPlan):
+        # None lets FSDP2 decide per unit: reshard all but the root, whose parameters backward needs first.
+        default_choice: ReshardChoice = config.sharding_strategy.default_reshard_after_forward
+    else:
+        default_choice = default
+    names = {id(m): n for n, m in module.named_modules()}
+    targets = {names.get(id(m), type(m).__name__): m for m in [*units, *roots]}
+    if isinstance(default, ReshardPlan):
+        choices = default.choose(targets, roots, default_choice)
+    else:
+        choices = {id(m): default_choice for m in targets.values()}
+    shard_size = mesh.size(mesh.ndim - 1)  # the shard axis is the last one in every mesh this package builds
+    shown = default.shown if isinstance(default, ReshardPlan) else default
+    for name, unit in targets.items():
+        check_divides(choices[id(unit)], shard_size, shown, where=f"unit {name or '(root)'!r}")
+    return choices

@@ -115,7 +115,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     must call them, not only their children (or name the children in ``auto_wrap_policy``); a parameter that belongs
     to the LightningModule itself is refused with a hint.
 
-    In YAML (LightningCLI), write the policies as lists of dotted class names, ``sharding_strategy`` as a string,
+    In YAML (LightningCLI), write the policies as lists of dotted class names (``activation_checkpointing_policy``
+    also as a mapping with ``blocks``, ``every`` and ``save_ops``), ``reshard_after_forward`` as a bool, an int or a
+    mapping from ``root``, class names or module names to those, ``sharding_strategy`` as a string,
     ``device_mesh`` as a list and ``cpu_offload`` as a bool; set mixed precision with ``trainer.precision``. The
     annotations name those YAML forms first, and strings stay plain ``str``, so LightningCLI hands the values over
     unchanged and a bad one meets the same check, with the same message, as in Python.
@@ -138,15 +140,17 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         auto_wrap_policy: Optional[Union[str, list[str], PolicyInput]] = None,
         activation_checkpointing: Optional[Any] = None,
-        activation_checkpointing_policy: Optional[Union[str, list[str], PolicyInput]] = None,
+        activation_checkpointing_policy: Optional[Union[str, list[str], dict[str, Any], PolicyInput]] = None,
         sharding_strategy: Union[str, Enum] = "FULL_SHARD",
         state_dict_type: str = "full",
         device_mesh: Optional[Union[list[int], tuple[int, int], DeviceMesh]] = None,
-        reshard_after_forward: Optional[Union[bool, int]] = None,
+        reshard_after_forward: Optional[Union[bool, int, dict[str, Union[bool, int]]]] = None,
         hybrid_no_sync: str = "skip_all",
         async_save: bool = False,
         sync_module_states: Optional[bool] = None,
         param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
+        forward_prefetch: Union[int, bool] = 0,
+        backward_prefetch: Union[int, str] = 1,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:

@@ -42,6 +42,10 @@ CONFIGS = {
     "shard_grad_op_ac": dict(sharding_strategy="SHARD_GRAD_OP", activation_checkpointing_policy={Block}),
     "cpu_offload": dict(cpu_offload=True),
     "keep_after_forward": dict(sharding_strategy="FULL_SHARD", reshard_after_forward=False),
+    # Per-unit choices turn FSDP2's usual split around (the root resharded, the blocks kept), and explicit prefetch
+    # gathers units ahead of their forward: both leave units gathered that the defaults would not.
+    "per_unit_reshard": dict(sharding_strategy="FULL_SHARD", reshard_after_forward={"root": True, "Block": False},
+                             forward_prefetch=1, backward_prefetch=2),
 }
 
 _FABRICS: dict[str, object] = {}
@@ -127,6 +131,7 @@ def _register_extra_cases() -> None:
     chosen = [(label, "no_grad") for label in CONFIGS]
     chosen += [(label, kind) for label in ("full_shard", "shard_grad_op_ac", "cpu_offload")
                for kind in ("inference_mode", "eval_mode", "generation")]
+    chosen += [("per_unit_reshard", "generation")]
     for label, kind in chosen:
         def run(label=label, kind=kind):
             return _with_extra_forwards(label, EXTRAS[kind])

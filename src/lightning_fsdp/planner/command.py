@@ -1,7 +1,9 @@
 """``lightning-fsdp plan``: the command-line face of :func:`~lightning_fsdp.planner.plan_memory`.
 
 The options carry the strategy's argument names in their YAML spellings: ``--sharding-strategy FULL_SHARD``,
-``--auto-wrap-policy mypkg.model.Block`` (repeat it, or separate names with commas), ``--device-mesh 2,4``.
+``--auto-wrap-policy mypkg.model.Block`` (repeat it, or separate names with commas), ``--device-mesh 2,4``. The
+mapping forms take JSON: ``--activation-checkpointing-policy '{"every": 2, "save_ops": "default"}'``,
+``--reshard-after-forward '{"root": true, "Block": 2}'``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--sharding-strategy", default="FULL_SHARD")
     plan.add_argument("--auto-wrap-policy", action="append", metavar="DOTTED_NAME",
                       help="module classes that become FSDP units, or 'auto' (default)")
-    plan.add_argument("--activation-checkpointing-policy", action="append", metavar="DOTTED_NAME")
+    plan.add_argument("--activation-checkpointing-policy", action="append", metavar="DOTTED_NAME|JSON",
+                      help="module classes to checkpoint, or a JSON mapping with 'blocks', 'every' and 'save_ops'")
+    plan.add_argument("--reshard-after-forward", type=_reshard, metavar="true|false|INT|JSON",
+                      help="after forward: reshard, keep, reshard to groups of INT ranks, or a JSON mapping per unit")
+    plan.add_argument("--forward-prefetch", type=int, metavar="N", help="units ahead to all-gather in forward")
+    plan.add_argument("--backward-prefetch", type=int, metavar="N", help="units ahead to all-gather in backward")
     plan.add_argument("--precision", default="32-true")
     plan.add_argument("--cpu-offload", action="store_true")
     plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD")
@@ -53,11 +60,16 @@ def _run(args: argparse.Namespace) -> int:
     inputs = _load_callable(args.inputs, "--inputs")
     options: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
     for name in ("auto_wrap_policy", "activation_checkpointing_policy"):
-        names = [n for value in getattr(args, name) or [] for n in value.split(",") if n]
+        values = getattr(args, name) or []
+        if len(values) == 1 and values[0].lstrip().startswith("{"):
+            options[name] = _json(values[0], name)
+            continue
+        names = [n for value in values for n in value.split(",") if n]
         if names:
             options[name] = names[0] if names == ["auto"] else names
-    if args.device_mesh is not None:
-        options["device_mesh"] = args.device_mesh
+    for name in ("device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     try:
         plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
                            precision=args.precision, optimizer=args.optimizer, **options)
@@ -132,6 +144,27 @@ def _mesh(text: str) -> tuple[int, int]:
     return replicate, shard
 
 
+def _json(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--{name.replace('_', '-')} {text!r} is not valid JSON ({err}). HINT: quote keys and strings"
+                         """ with double quotes, e.g. '{"every": 2, "save_ops": "default"}'.""") from None
+
+
+def _reshard(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered.lstrip("-").isdigit():
+        return int(lowered)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false, an int or a JSON mapping such as"
+                                         """ '{"root": true, "Block": 2}'""") from None
+
+
 def _budget(text: str) -> int:
     try:
         return parse_size(text)
@@ -142,6 +175,7 @@ def _budget(text: str) -> int:
 def _as_option_message(message: str) -> str:
     """The library's messages name arguments as in Python (`auto_wrap_policy=...`); name the option as typed."""
     for name in ("sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "device_mesh",
-                 "precision", "world_size", "num_nodes", "optimizer"):
+                 "precision", "world_size", "num_nodes", "optimizer", "reshard_after_forward", "forward_prefetch",
+                 "backward_prefetch"):
         message = message.replace(f"`{name}=", f"`--{name.replace('_', '-')} ")
     return message

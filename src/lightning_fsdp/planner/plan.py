@@ -16,7 +16,7 @@ __all__ = ["plan_memory", "MemoryPlan", "STRATEGY_OPTIONS"]
 # The strategy arguments a plan takes, with the names and spellings of `FSDPStrategy` (and the YAML).
 STRATEGY_OPTIONS = (
     "sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "cpu_offload", "mixed_precision",
-    "device_mesh", "reshard_after_forward",
+    "device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
 )
 
 # Categories of FSDPMemTracker, grouped the way the report speaks of them.
@@ -127,7 +127,7 @@ def plan_memory(
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (with momentum).
         **strategy_options: ``FSDPStrategy``'s own arguments: ``sharding_strategy``, ``auto_wrap_policy``,
             ``activation_checkpointing_policy``, ``cpu_offload``, ``mixed_precision``, ``device_mesh``,
-            ``reshard_after_forward``.
+            ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch``.
 
     Call it before launching (it runs on a process group of its own, with the planned world size).
     """
@@ -171,6 +171,8 @@ def _jsonable(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple, set)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, dict):  # per-unit reshard_after_forward, the mapping form of activation checkpointing
+        return {k if isinstance(k, str) else _jsonable(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, type):
         return f"{value.__module__}.{value.__qualname__}"
     return repr(value)

@@ -1,0 +1,251 @@
+"""What the speed and memory controls buy: prefetch depths, int resharding, and activation checkpointing none / full /
+every-2nd / selective, each as a ratio against its baseline measured in the same invocation.
+
+    python benchmarks/controls.py [--rounds 3] [--json rows.json]
+
+The example GPT (``examples/train_gpt.py``: token and position embeddings, pre-norm blocks with
+``F.scaled_dot_product_attention`` and a GELU MLP) at 17.4M parameters (vocab 4096, 8 blocks of width 384), AdamW,
+fp32 on CPU with gloo. Two suites, each run as two launches of ``torch.distributed.run`` (step times, then memory):
+
+- 2 ranks: FSDP2's default prefetching against ``forward_prefetch=1`` and ``backward_prefetch=2``, and the four
+  kinds of activation checkpointing;
+- 4 ranks (an int reshard needs a shard axis with a smaller group in it): ``reshard_after_forward=2`` against True.
+
+Step time: per configuration and round, set up, one warm-up step (it creates the optimizer state), then ``--steps``
+timed steps, whose mean is the round's step time. Memory, in a launch of its own (``--memory-rounds`` rounds): set up, a warm-up step, then the extra peak RSS of one forward and backward (where activations live) over
+the resting state with optimizer state:
+glibc's ``malloc_trim(0)`` first returns freed heap pages, ``5 > /proc/self/clear_refs`` resets the peak to the
+current RSS, and ``VmHWM`` after the backward minus that is the extra; the larger of the ranks' values is reported.
+In the memory launch, allocations of 64 KiB and more get pages of their own (a fixed glibc mmap threshold, set at
+start), so RSS follows the live tensors (see ``PeakMeter``). Configurations run in an order that
+alternates from round to round (``rows.alternate``). Nothing is asserted: a missed target reads ``met: false``.
+
+Run it alone on the machine (``flock /tmp/cpu.lock python benchmarks/controls.py``): the ranks share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from rows import alternate, emit, figure, ratios  # noqa: E402
+
+MODEL = dict(vocab_size=4096, block_size=64, n_layer=8, n_head=6, n_embd=384)
+# 8 sequences per rank on 2 ranks, so that compute, which checkpointing changes, is most of a step and not the gloo
+# collectives; 2 on 4 ranks (twice the processes on the same cores) keeps that launch short.
+BATCH = {2: 8, 4: 2}  # sequences of MODEL["block_size"] tokens per rank and step, by world size
+
+# suite -> (ranks, {configuration: strategy arguments}); the first configuration is the suite's baseline.
+SUITES = {
+    "two_ranks": (2, {
+        "none": {},
+        "forward_prefetch=1": {"forward_prefetch": 1},
+        "backward_prefetch=2": {"backward_prefetch": 2},
+        "full": {"activation_checkpointing_policy": "train_gpt.Block"},
+        "every-2nd": {"activation_checkpointing_policy": {"blocks": ["train_gpt.Block"], "every": 2}},
+        "selective": {"activation_checkpointing_policy": {"blocks": ["train_gpt.Block"], "save_ops": "default"}},
+    }),
+    "four_ranks": (4, {
+        "reshard=True": {"reshard_after_forward": True},
+        "reshard=2": {"reshard_after_forward": 2},
+    }),
+}
+
+
+# --- worker side: one torch.distributed.run launch per suite ------------------------------------------------------
+
+
+class PeakMeter:
+    """The extra peak RSS of a block of code, from the kernel's own counters (``VmHWM``, reset by ``clear_refs``).
+
+    ``exact_pages()``, called when the process starts, gives every allocation of 64 KiB and more pages of its own (a
+    fixed glibc mmap threshold), returned to the kernel when freed, so RSS follows the live tensors instead of what
+    the heap keeps from earlier steps. Called late, in a process whose heap is already large and fragmented, it
+    does not help: small allocations then land in scattered free chunks whose pages ``malloc_trim`` gave back, and
+    each touches a fresh page (about 200 MB of phantom peak here). A page fault per tensor also slows steps down, so
+    step times and memory are measured in separate launches.
+    """
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL("libc.so.6")
+
+    def exact_pages(self) -> None:
+        self.libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+    def __enter__(self) -> "PeakMeter":
+        gc.collect()
+        self.libc.malloc_trim(0)  # freed heap pages back to the kernel, so they are not reused unseen
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+        self.baseline = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.extra_bytes = (_status_kib("VmHWM") - self.baseline) * 1024
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def worker(suite: str, phase: str, rounds: int, steps: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    import train_gpt
+    from lightning_fsdp.fabric import FSDPStrategy
+
+    meter = PeakMeter()
+    if phase == "memory":
+        meter.exact_pages()
+    torch.set_num_threads(1)
+    world, configurations = SUITES[suite]
+    generator = torch.Generator().manual_seed(int(os.environ["RANK"]))
+
+    def forward_backward(model, fabric) -> None:
+        batch = torch.randint(0, MODEL["vocab_size"], (BATCH[world], MODEL["block_size"] + 1), generator=generator)
+        logits = model(batch[:, :-1])
+        fabric.backward(F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
+
+    def step(model, opt, fabric) -> None:
+        forward_backward(model, fabric)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def set_up(strategy_kwargs: dict):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=FSDPStrategy(**strategy_kwargs))
+        fabric.launch()
+        torch.manual_seed(0)
+        model = train_gpt.GPT(train_gpt.GPTConfig(**MODEL))
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        step(model, opt, fabric)  # warm-up: creates the optimizer state
+        dist.barrier()
+        return fabric, model, opt
+
+    def step_time(strategy_kwargs: dict) -> float:
+        fabric, model, opt = set_up(strategy_kwargs)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(model, opt, fabric)
+        dist.barrier()
+        return (time.perf_counter() - start) / steps
+
+    def peak(strategy_kwargs: dict) -> float:
+        # The peak of forward and backward, where activations live: the optimizer step allocates the same
+        # temporaries under every configuration.
+        fabric, model, opt = set_up(strategy_kwargs)
+        with meter:
+            forward_backward(model, fabric)
+        extra = torch.tensor(float(meter.extra_bytes))
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        return extra.item()
+
+    measure = step_time if phase == "time" else peak
+    samples = alternate(rounds, {name: (lambda kw=kw: measure(kw)) for name, kw in configurations.items()})
+    if int(os.environ["RANK"]) == 0:
+        params = sum(p.numel() for p in train_gpt.GPT(train_gpt.GPTConfig(**MODEL)).parameters())
+        out.write_text(json.dumps({"params": params, "world": world, "samples": samples}))
+
+
+# --- parent side: launch, then turn the samples into rows ---------------------------------------------------------
+
+
+def launch(suite: str, phase: str, rounds: int, steps: int, folder: Path) -> dict:
+    world = SUITES[suite][0]
+    out = folder / f"{suite}-{phase}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+               f"--master_port={_free_port()}", str(Path(__file__).resolve()), "--worker", suite, "--phase", phase,
+               "--rounds", str(rounds), "--steps", str(steps), "--out", str(out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"the {suite} {phase} launch failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows_from(two: dict, four: dict) -> list[dict]:
+    s = {name: (two["time"]["samples"][name], two["memory"]["samples"][name]) for name in two["time"]["samples"]}
+    model = f"{two['time']['params'] / 1e6:.1f}M-param GPT"
+    rows = []
+    for name in ("forward_prefetch=1", "backward_prefetch=2"):
+        rows.append(figure(f"step time, {name} vs FSDP2's default prefetch", ratios(s[name][0], s["none"][0]),
+                           baseline=f"default prefetch, {model}, 2 ranks",
+                           detail={"seconds": s[name][0], "baseline_seconds": s["none"][0]}))
+    r = {name: (four["time"]["samples"][name], four["memory"]["samples"][name]) for name in four["time"]["samples"]}
+    for name in ("reshard=2",):
+        rows.append(figure(f"step time, reshard_after_forward={name.split('=')[1]} vs True (4 ranks)",
+                           ratios(r[name][0], r["reshard=True"][0]), baseline="reshard_after_forward=True, 4 ranks",
+                           detail={"seconds": r[name][0], "baseline_seconds": r["reshard=True"][0]}))
+        rows.append(figure(f"forward+backward peak, reshard_after_forward={name.split('=')[1]} vs True (4 ranks)",
+                           ratios(r[name][1], r["reshard=True"][1]), baseline="reshard_after_forward=True, 4 ranks",
+                           detail={"extra_peak_bytes": r[name][1], "baseline_bytes": r["reshard=True"][1]}))
+    for name in ("full", "every-2nd", "selective"):
+        rows.append(figure(f"forward+backward peak, checkpointing {name} vs none", ratios(s[name][1], s["none"][1]),
+                           baseline="no activation checkpointing", target=("<=", 1.0) if name == "selective" else None,
+                           detail={"extra_peak_bytes": s[name][1], "baseline_bytes": s["none"][1]}))
+        rows.append(figure(f"step time, checkpointing {name} vs none", ratios(s[name][0], s["none"][0]),
+                           baseline="no activation checkpointing",
+                           detail={"seconds": s[name][0], "baseline_seconds": s["none"][0]}))
+    rows.append(figure("step time, checkpointing selective vs full", ratios(s["selective"][0], s["full"][0]),
+                       baseline="full activation checkpointing", target=("<=", 1.0)))
+    rows.append(figure("forward+backward peak, checkpointing selective vs full", ratios(s["selective"][1], s["full"][1]),
+                       baseline="full activation checkpointing"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory-rounds", type=int, default=2, help="rounds of the memory phase")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--worker", choices=sorted(SUITES), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("time", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.phase, args.rounds, args.steps, args.out)
+        return
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        two, four = ({phase: launch(suite, phase, args.rounds if phase == "time" else args.memory_rounds, args.steps,
+                                    Path(folder)) for phase in ("time", "memory")} for suite in ("two_ranks", "four_ranks"))
+    rows = rows_from(two, four)
+    selective_peak = next(r for r in rows if r["figure"] == "forward+backward peak, checkpointing selective vs none")
+    selective_time = next(r for r in rows if r["figure"] == "step time, checkpointing selective vs full")
+    print(f"model: {two['time']['params'] / 1e6:.1f}M params, {BATCH[2]}x{MODEL['block_size']} tokens per rank and step"
+          f" ({BATCH[4]}x{MODEL['block_size']} on 4 ranks);"
+          f" {args.rounds} rounds of step times, {args.memory_rounds} of memory, {time.perf_counter() - start:.0f} s")
+    print("selective uses less memory than none and steps faster than full:",
+          "yes" if selective_peak["met"] and selective_time["met"] else "NO")
+    emit(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
