@@ -33,6 +33,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "save": ("save_figures.py", [], ["--rounds", "1", "--layers", "2", "--dim", "128"]),
     "load": ("checksum_cost.py", [], ["--rounds", "1", "--loads", "1", "--layers", "2", "--dim", "256"]),
     "convert": ("convert_memory.py", [], ["--rounds", "1", "--layers", "4"]),
+    "controls": ("controls.py", [], ["--rounds", "1", "--memory-rounds", "1", "--steps", "1"]),
     "mfu": ("mfu.py", [], ["--rounds", "1", "--steps", "2"]),  # reports nothing without a CUDA device
 }
 
