@@ -19,9 +19,8 @@ step (after ``malloc_trim``):
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import tempfile
+import sys
 import threading
 from pathlib import Path
 
@@ -34,6 +33,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_fsdp.fabric import FSDPStrategy
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import reset_peak, status_kib  # noqa: E402
+
 
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -45,26 +47,16 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
-def _reset_peak() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kb("VmRSS")
 
 
 class Peak:
     """Measures one step: peak VmHWM and peak sampled RssAnon, each relative to the start."""
 
     def __enter__(self) -> "Peak":
-        self.rss_before = _reset_peak()
-        self.anon_before = self.anon_peak = _rss_kb("RssAnon")
+        self.rss_before = reset_peak()
+        self.anon_before = self.anon_peak = status_kib("RssAnon")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -72,13 +64,13 @@ class Peak:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.anon_peak = max(self.anon_peak, _rss_kb("RssAnon"))
+            self.anon_peak = max(self.anon_peak, status_kib("RssAnon"))
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.anon_peak = max(self.anon_peak, _rss_kb("RssAnon"))
-        self.result = {"rss": (_rss_kb("VmHWM") - self.rss_before) / 1024,
+        self.anon_peak = max(self.anon_peak, status_kib("RssAnon"))
+        self.result = {"rss": (status_kib("VmHWM") - self.rss_before) / 1024,
                        "anon": (self.anon_peak - self.anon_before) / 1024}
 
 

@@ -30,7 +30,7 @@ from rows import format_table  # noqa: E402
 # name -> (script, arguments for a full run, arguments for --quick)
 SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "training": ("training_figures.py", [], ["--size", "tiny", "--rounds", "2", "--steps", "1"]),
-    "save": ("save_figures.py", [], ["--rounds", "1", "--layers", "2", "--dim", "128"]),
+    "save": ("save_figures.py", [], ["--rounds", "1", "--layers", "2", "--dim", "192"]),
     "load": ("checksum_cost.py", [], ["--rounds", "1", "--loads", "1", "--layers", "2", "--dim", "256"]),
     "convert": ("convert_memory.py", [], ["--rounds", "1", "--layers", "4"]),
     "controls": ("controls.py", [], ["--rounds", "1", "--memory-rounds", "1", "--steps", "1"]),

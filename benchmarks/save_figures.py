@@ -21,8 +21,6 @@ Run (the parent starts the 2 ranks itself; take the CPU lock around it on a shar
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import shutil
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import reset_peak, status_kib  # noqa: E402
 from rows import alternate, emit, figure, ratios  # noqa: E402
 
 
@@ -141,13 +140,12 @@ def _worker(args: argparse.Namespace) -> None:
 
     def full_peak() -> float:
         fabric.barrier()
-        before = _reset_peak() if rank0 else 0
+        before = reset_peak() if rank0 else 0
         fabrics["full"].save(root / "full.pt", state)
-        extra = (_rss_kb("VmHWM") - before) * 1024 if rank0 else 0
+        extra = (status_kib("VmHWM") - before) * 1024 if rank0 else 0
         fabric.barrier()
         return fabric.broadcast(extra) / full_total
 
-    steps_alone: list[float] = []
     stall: dict[str, list[float]] = {"sync": [], "async": []}
 
     def train_side(save: str) -> float:
@@ -206,18 +204,8 @@ def _worker(args: argparse.Namespace) -> None:
     fabric.barrier()
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
-def _reset_peak() -> int:
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kb("VmRSS")
 
 
 if __name__ == "__main__":

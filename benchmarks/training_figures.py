@@ -15,8 +15,6 @@ Every launch is a ``torch.distributed.run`` on CPU/gloo; the driver collects eac
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -28,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from peak_memory import reset_peak, status_kib  # noqa: E402
 from rows import alternate, emit, figure, ratios  # noqa: E402
 
 
@@ -105,18 +104,8 @@ def worker_step(args) -> dict:
     return {"timings": timings}
 
 
-def _trim_and_reset_peak() -> int:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS")
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def worker_memory(args) -> dict:
@@ -130,11 +119,11 @@ def worker_memory(args) -> dict:
     cfg = SIZES[args.size]
     fabric, dist = _fabric()
     dist.barrier()
-    before_kib = _trim_and_reset_peak()
+    before_kib = reset_peak()
     with fabric.init_module(empty_init=True):
         model = GPT(cfg)
     model = fabric.setup_module(model)
-    setup_peak = (_status_kib("VmHWM") - before_kib) * 1024
+    setup_peak = (status_kib("VmHWM") - before_kib) * 1024
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
     fabric.backward(loss_of(model, batch(cfg, 0, fabric.global_rank)))
     opt.step()
