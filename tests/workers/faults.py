@@ -227,6 +227,17 @@ def _save_and_wait(fabric, path, state):
     fabric.strategy._background_saves.wait(fabric.strategy._engine)  # an async save's error surfaces here
 
 
+def _saved_then_trained(fabric, path: Path, **model_kwargs):
+    """A model and optimizer trained one step and saved at ``path``, then trained one more step: the state a failed
+    save must not replace. Returns the model, the optimizer, and the saved parameters and optimizer state."""
+    model, opt = _setup(fabric, **model_kwargs)
+    _train(fabric, model, opt, steps=1)
+    _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
+    params, opt_state = full_params(model), _opt_state(opt)
+    _train(fabric, model, opt, steps=1, start=1)
+    return model, opt, params, opt_state
+
+
 @_skippable
 def save_onto_a_read_only_filesystem_fails_everywhere_promptly():
     report = {}
@@ -234,11 +245,7 @@ def save_onto_a_read_only_filesystem_fails_everywhere_promptly():
         fabric = make_fabric(WORLD, **_saver(kind))
         with _tmpfs(fabric, "8m") as mount:
             path = mount / "ckpt"
-            model, opt = _setup(fabric)
-            _train(fabric, model, opt, steps=1)
-            _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
-            params, opt_state = full_params(model), _opt_state(opt)
-            _train(fabric, model, opt, steps=1, start=1)
+            model, opt, params, opt_state = _saved_then_trained(fabric, path)
             _remount_read_only(fabric, mount)
             report[kind] = _fails_everywhere(
                 lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
@@ -255,11 +262,7 @@ def save_onto_a_full_disk_says_so_and_frees_the_space():
         fabric = make_fabric(WORLD, **_saver(kind))
         with _tmpfs(fabric, "2m") as mount:  # one checkpoint of this model (~1.3 MB) fits, two do not
             path = mount / "ckpt"
-            model, opt = _setup(fabric, dim=64)
-            _train(fabric, model, opt, steps=1)
-            _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
-            params, opt_state = full_params(model), _opt_state(opt)
-            _train(fabric, model, opt, steps=1, start=1)
+            model, opt, params, opt_state = _saved_then_trained(fabric, path, dim=64)
             free_before = fabric.broadcast(_free_blocks(mount))
             report[kind] = _fails_everywhere(
                 lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
@@ -338,11 +341,7 @@ def a_disk_that_fills_inside_a_record_says_so_in_every_format():
                 fabric = make_fabric(WORLD, **_saver(kind))
                 root = _dir(fabric)
                 path = root / "ckpt"
-                model, opt = _setup(fabric)
-                _train(fabric, model, opt, steps=1)
-                _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
-                params, opt_state = full_params(model), _opt_state(opt)
-                _train(fabric, model, opt, steps=1, start=1)
+                model, opt, params, opt_state = _saved_then_trained(fabric, path)
                 with _disk_fills_after(room, on_rank, fabric.global_rank):
                     outcome = _fails_everywhere(
                         lambda: _save_and_wait(fabric, path, {"model": model, "optimizer": opt}), OSError,
