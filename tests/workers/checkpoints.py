@@ -5,21 +5,18 @@ Each case compares exactly (atol=0): checkpoints move bits, they do not compute.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import full, full_params, loss_fn, make_fabric
+from common import full, full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
 from harness import case, run_cases
 from models import TinyTransformer, UnevenModel, make_batch
 
 WORLD = 2
 
 
-def _dir(fabric) -> Path:
-    return Path(fabric.broadcast(tempfile.mkdtemp()))
 
 
 def _setup(fabric, seed=0, lr=1e-2):
@@ -28,24 +25,10 @@ def _setup(fabric, seed=0, lr=1e-2):
     return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=lr))
 
 
-def _train(fabric, model, opt, steps=2, start=0):
-    for step in range(start, start + steps):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-        opt.step()
-        opt.zero_grad()
 
 
-def _opt_state(opt) -> dict:
-    return {
-        (i, k): full(v).clone()
-        for i, per_param in opt.state_dict()["state"].items()
-        for k, v in per_param.items()
-        if torch.is_tensor(v)
-    }
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class Counter:
@@ -67,10 +50,10 @@ def round_trip_is_exact_and_training_continues_identically():
     for kind in ("sharded", "full"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
         model, opt = _setup(fabric)
-        _train(fabric, model, opt)
-        path = _dir(fabric) / kind
+        train_steps(fabric, model, opt, steps=2)
+        path = shared_tmpdir(fabric) / kind
         fabric.save(path, {"model": model, "optimizer": opt, "step": 2, "counter": Counter(5), "extra": [1, 2]})
-        saved_params, saved_opt = full_params(model), _opt_state(opt)
+        saved_params, saved_opt = full_params(model), tensor_opt_state(opt)
 
         model2, opt2 = _setup(fabric, seed=9)
         counter = Counter()
@@ -78,12 +61,12 @@ def round_trip_is_exact_and_training_continues_identically():
         rest = fabric.load(path, state)
         assert state["step"] == 2 and counter.n == 5, (state["step"], counter.n)
         assert rest == {"extra": [1, 2]}, rest
-        assert _same(saved_params, full_params(model2)), f"{kind}: parameters differ"
-        assert _same(saved_opt, _opt_state(opt2)), f"{kind}: optimizer state differs"
+        assert same_tensors(saved_params, full_params(model2)), f"{kind}: parameters differ"
+        assert same_tensors(saved_opt, tensor_opt_state(opt2)), f"{kind}: optimizer state differs"
         assert opt2.param_groups[0]["lr"] == 1e-2
-        _train(fabric, model, opt, start=5)
-        _train(fabric, model2, opt2, start=5)
-        assert _same(full_params(model), full_params(model2)), f"{kind}: training diverged after resume"
+        train_steps(fabric, model, opt, steps=2, start=5)
+        train_steps(fabric, model2, opt2, steps=2, start=5)
+        assert same_tensors(full_params(model), full_params(model2)), f"{kind}: training diverged after resume"
         report[kind] = "exact"
     return report
 
@@ -92,7 +75,7 @@ def round_trip_is_exact_and_training_continues_identically():
 def missing_key_is_a_key_error_and_strict_false_tolerates_it():
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    path = _dir(fabric) / "ck"
+    path = shared_tmpdir(fabric) / "ck"
     fabric.save(path, {"model": model})
     try:
         fabric.load(path, {"model": model, "optimizer": opt})
@@ -110,8 +93,8 @@ def filters_work_for_sharded_and_full_and_load_with_strict_false():
     for kind in ("sharded", "full"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
         model, opt = _setup(fabric)
-        _train(fabric, model, opt, steps=1)
-        path = _dir(fabric) / kind
+        train_steps(fabric, model, opt, steps=1)
+        path = shared_tmpdir(fabric) / kind
         fabric.save(path, {"model": model, "step": 1}, filter=only_blocks)
         saved = full_params(model)
         if kind == "full":
@@ -133,17 +116,17 @@ def several_models_and_optimizers_in_one_checkpoint():
     fabric = make_fabric(WORLD)
     gen, gen_opt = _setup(fabric, seed=1)
     disc, disc_opt = _setup(fabric, seed=2)
-    _train(fabric, gen, gen_opt, steps=1)
-    _train(fabric, disc, disc_opt, steps=1, start=3)
-    path = _dir(fabric) / "gan"
+    train_steps(fabric, gen, gen_opt, steps=1)
+    train_steps(fabric, disc, disc_opt, steps=1, start=3)
+    path = shared_tmpdir(fabric) / "gan"
     fabric.save(path, {"generator": gen, "discriminator": disc, "opt_d": disc_opt, "opt_g": gen_opt})
     expected = {k: full_params(m) for k, m in (("g", gen), ("d", disc))}
-    opts = {k: _opt_state(o) for k, o in (("g", gen_opt), ("d", disc_opt))}
+    opts = {k: tensor_opt_state(o) for k, o in (("g", gen_opt), ("d", disc_opt))}
     g2, g2_opt = _setup(fabric, seed=7)
     d2, d2_opt = _setup(fabric, seed=8)
     fabric.load(path, {"generator": g2, "discriminator": d2, "opt_d": d2_opt, "opt_g": g2_opt})
-    assert _same(expected["g"], full_params(g2)) and _same(expected["d"], full_params(d2))
-    assert _same(opts["g"], _opt_state(g2_opt)) and _same(opts["d"], _opt_state(d2_opt))
+    assert same_tensors(expected["g"], full_params(g2)) and same_tensors(expected["d"], full_params(d2))
+    assert same_tensors(opts["g"], tensor_opt_state(g2_opt)) and same_tensors(opts["d"], tensor_opt_state(d2_opt))
     # An optimizer whose model is not in the state is a clear error.
     try:
         fabric.save(path, {"generator": gen, "opt_d": disc_opt})
@@ -160,12 +143,12 @@ def full_and_sharded_replace_each_other_at_the_same_path():
     for kind in ("sharded", "full", "sharded"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
         model, opt = _setup(fabric, seed=len(report))
-        path = path or _dir(fabric) / "ck"
+        path = path or shared_tmpdir(fabric) / "ck"
         fabric.save(path, {"model": model, "optimizer": opt})
         assert path.is_dir() == (kind == "sharded"), (kind, path.is_dir())
         other, other_opt = _setup(fabric, seed=99)
         fabric.load(path, {"model": other, "optimizer": other_opt})
-        assert _same(full_params(model), full_params(other)), kind
+        assert same_tensors(full_params(model), full_params(other)), kind
         report.append(kind)
     leftovers = [p.name for p in path.parent.iterdir() if p.name != path.name]
     assert not leftovers, f"staging or backup copies left behind: {leftovers}"
@@ -176,7 +159,7 @@ def full_and_sharded_replace_each_other_at_the_same_path():
 def bad_save_arguments_are_clear_errors():
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    path = _dir(fabric) / "ck"
+    path = shared_tmpdir(fabric) / "ck"
     outcomes = {}
     for label, call, exc, needle in (
         ("storage_options", lambda: fabric.strategy.save_checkpoint(path, {"model": model}, storage_options={}),
@@ -221,7 +204,7 @@ def corrupted_checkpoints_fail_on_every_rank_naming_the_file():
     report = {}
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     sharded = root / "sharded"
     fabric.save(sharded, {"model": model, "optimizer": opt})
     full_fabric = make_fabric(WORLD, state_dict_type="full")
@@ -257,7 +240,7 @@ def corrupted_checkpoints_fail_on_every_rank_naming_the_file():
 def unpickling_needs_an_explicit_opt_in():
     fabric = make_fabric(WORLD, state_dict_type="full")
     model, opt = _setup(fabric)
-    path = _dir(fabric) / "ck.pt"
+    path = shared_tmpdir(fabric) / "ck.pt"
     fabric.save(path, {"model": model})
     # Add an arbitrary object to the file, as another tool might have written it: only full unpickling restores it.
     if fabric.global_rank == 0:
@@ -282,8 +265,8 @@ def sharded_entries_that_need_unpickling_need_the_opt_in_too():
 
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    _train(fabric, model, opt, steps=1)
-    path = _dir(fabric) / "pickled"
+    train_steps(fabric, model, opt, steps=1)
+    path = shared_tmpdir(fabric) / "pickled"
     inner = model.module  # Fabric's wrapper would prefix every name with `_forward_module.`
     optimizer_state = get_optimizer_state_dict(inner, opt.optimizer)
     # An arbitrary object where the optimizer expects a plain value, as a tampered or foreign file might hold.
@@ -307,13 +290,13 @@ def plain_single_device_checkpoint_loads_into_the_sharded_model():
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     loss_fn(plain, make_batch(0, 0)).backward()
     plain_opt.step()
-    path = _dir(fabric) / "plain.pt"
+    path = shared_tmpdir(fabric) / "plain.pt"
     if fabric.global_rank == 0:
         torch.save({"model": plain.state_dict(), "optimizer": plain_opt.state_dict()}, path)
     fabric.barrier()
     model, opt = _setup(fabric, seed=11)
     fabric.load(path, {"model": model, "optimizer": opt})
-    assert _same({k: v for k, v in plain.state_dict().items()}, full_params(model))
+    assert same_tensors({k: v for k, v in plain.state_dict().items()}, full_params(model))
     names = [n for n, _ in plain.named_parameters()]
     expected = {(names[i], k): v for i, s in plain_opt.state_dict()["state"].items() for k, v in s.items()}
     got_sd = opt.state_dict()
@@ -334,8 +317,8 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
 
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
-    _train(fabric, model, opt)
-    root = _dir(fabric)
+    train_steps(fabric, model, opt, steps=2)
+    root = shared_tmpdir(fabric)
     # The write blocks until released, so a save that returns before the release has returned mid-write. (A
     # synchronous save would sit in it for the 10 s timeout and return with the checkpoint in place.)
     release, writing = threading.Event(), threading.Event()
@@ -354,8 +337,8 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
         assert returned_mid_write and in_flight, (
             f"the async save returned only after its write (in flight: {in_flight})")
         assert writing.wait(timeout=10), "the background write never started"
-        first_params, first_opt = full_params(model), _opt_state(opt)
-        _train(fabric, model, opt, steps=2, start=2)  # training goes on while the write is held
+        first_params, first_opt = full_params(model), tensor_opt_state(opt)
+        train_steps(fabric, model, opt, steps=2, start=2)  # training goes on while the write is held
         assert not (root / "first").exists(), "the checkpoint appeared before its write was released"
     finally:
         release.set()
@@ -363,14 +346,14 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
     fabric.save(root / "second", {"model": model, "optimizer": opt, "step": 4})  # waits for the first first
     assert (root / "first").is_dir(), "the next save did not wait for the first one to be moved into place"
     second_params = full_params(model)
-    assert not _same(first_params, second_params), "training did not change the parameters"
+    assert not same_tensors(first_params, second_params), "training did not change the parameters"
     for name, params, step in (("first", first_params, 2), ("second", second_params, 4)):
         other, other_opt = _setup(fabric, seed=5)
         state = {"model": other, "optimizer": other_opt, "step": 0}
         fabric.load(root / name, state)  # waits for the second save
-        assert state["step"] == step and _same(params, full_params(other)), name
+        assert state["step"] == step and same_tensors(params, full_params(other)), name
         if name == "first":
-            assert _same(first_opt, _opt_state(other_opt)), "optimizer state of the first save differs"
+            assert same_tensors(first_opt, tensor_opt_state(other_opt)), "optimizer state of the first save differs"
     return {"returned_mid_write": returned_mid_write, "in_flight": in_flight}
 
 
@@ -385,8 +368,8 @@ def consecutive_async_saves_with_training_between_each_load_their_own_state():
 
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
-    _train(fabric, model, opt)
-    root = _dir(fabric)
+    train_steps(fabric, model, opt, steps=2)
+    root = shared_tmpdir(fabric)
     saves = fabric.strategy._background_saves
     release = threading.Event()
     original = fs.FileSystemWriter.write_data
@@ -401,29 +384,29 @@ def consecutive_async_saves_with_training_between_each_load_their_own_state():
     expected = {}
     fs.FileSystemWriter.write_data = held_write
     try:
-        expected["first"] = (full_params(model), _opt_state(opt), 2)
+        expected["first"] = (full_params(model), tensor_opt_state(opt), 2)
         fabric.save(root / "first", {"model": model, "optimizer": opt, "step": 2})
         first_copies = host_copies()
-        _train(fabric, model, opt, steps=2, start=2)  # the first write is still held
-        expected["second"] = (full_params(model), _opt_state(opt), 4)
+        train_steps(fabric, model, opt, steps=2, start=2)  # the first write is still held
+        expected["second"] = (full_params(model), tensor_opt_state(opt), 4)
         timer = threading.Timer(1.0, release.set)  # released while the second save waits for the first
         timer.start()
         fabric.save(root / "second", {"model": model, "optimizer": opt, "step": 4})
         timer.join()
         reused = host_copies() == first_copies and len(first_copies) > 0
-        _train(fabric, model, opt, steps=2, start=4)  # changes the live state while the second write runs
+        train_steps(fabric, model, opt, steps=2, start=4)  # changes the live state while the second write runs
     finally:
         release.set()
         fs.FileSystemWriter.write_data = original
     assert reused, "the second background save did not stage into the first save's host copies"
-    assert not _same(expected["first"][0], expected["second"][0]), "training did not change the parameters"
+    assert not same_tensors(expected["first"][0], expected["second"][0]), "training did not change the parameters"
     for name, (params, opt_state, step) in expected.items():
         other, other_opt = _setup(fabric, seed=5)
         state = {"model": other, "optimizer": other_opt, "step": 0}
         fabric.load(root / name, state)
         assert state["step"] == step, (name, state["step"])
-        assert _same(params, full_params(other)), f"the {name} checkpoint's parameters are not those at its save"
-        assert _same(opt_state, _opt_state(other_opt)), f"the {name} checkpoint's optimizer state differs"
+        assert same_tensors(params, full_params(other)), f"the {name} checkpoint's parameters are not those at its save"
+        assert same_tensors(opt_state, tensor_opt_state(other_opt)), f"the {name} checkpoint's optimizer state differs"
     return {"host_copies_reused": len(first_copies)}
 
 
@@ -431,7 +414,7 @@ def consecutive_async_saves_with_training_between_each_load_their_own_state():
 def async_save_errors_surface_at_the_next_call():
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
-    path = _dir(fabric) / "async"
+    path = shared_tmpdir(fabric) / "async"
     import torch.distributed.checkpoint.filesystem as fs
 
     original = fs.FileSystemWriter.write_data
@@ -468,7 +451,7 @@ def _exact(got: dict, expected: dict, what: str) -> None:
 def _named_opt_state(model, opt) -> dict:
     """The optimizer's state as full tensors keyed (parameter name, state key), the way a full file keys it."""
     names = [n.removeprefix("_forward_module.") for n, _ in model.named_parameters()]
-    return {(names[i], k): v for (i, k), v in _opt_state(opt).items()}
+    return {(names[i], k): v for (i, k), v in tensor_opt_state(opt).items()}
 
 
 def _on_rank_0(fabric, check) -> None:
@@ -509,7 +492,7 @@ def uneven_shapes_and_views_in_a_full_checkpoint_read_back_exactly():
         history = torch.arange(12.0)
         extras = {"recent": history[8:], "window": history.view(3, 4).t()[1:], "last": history[11],
                   "none_yet": history[12:]}  # an offset view, a transposed slice, a 0-d view, an empty view
-        path = _dir(fabric) / f"{sharding}.pt"
+        path = shared_tmpdir(fabric) / f"{sharding}.pt"
         fabric.save(path, {"model": model, "optimizer": opt, **extras})
         saved_params, saved_opt = full_params(model), _named_opt_state(model, opt)
         expected_extras = {k: v.contiguous() for k, v in extras.items()}
@@ -526,7 +509,7 @@ def uneven_shapes_and_views_in_a_full_checkpoint_read_back_exactly():
         _on_rank_0(fabric, read_back)
         # The project's loader, into a fresh model and optimizer that hold other values (no state at all yet).
         fresh, fresh_opt = _uneven_setup(fabric, seed=9)
-        assert not _same(saved_params, full_params(fresh)) and not _opt_state(fresh_opt)
+        assert not same_tensors(saved_params, full_params(fresh)) and not tensor_opt_state(fresh_opt)
         rest = fabric.load(path, {"model": fresh, "optimizer": fresh_opt})
         _exact(full_params(fresh), saved_params, f"{sharding} fabric.load model")
         _exact(_named_opt_state(fresh, fresh_opt), saved_opt, f"{sharding} fabric.load optimizer")
@@ -544,7 +527,7 @@ def uneven_shapes_convert_exactly_from_a_sharded_checkpoint():
     model, opt = _uneven_setup(fabric, seed=1)
     fabric.backward(model(make_batch(0, fabric.global_rank)))
     opt.step()
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     history = torch.arange(12.0)
     fabric.save(root / "sharded", {"model": model, "optimizer": opt, "recent": history[8:]})
     saved_params, saved_opt = full_params(model), _named_opt_state(model, opt)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -205,3 +207,26 @@ def train_side_by_side(fabric: Fabric, model, opt, reference: nn.Module, ref_opt
         loss_fn(reference, global_batch(step, fabric.world_size)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
+
+
+def shared_tmpdir(fabric: Fabric) -> Path:
+    """A fresh temporary directory, rank 0's, the same path on every rank."""
+    return Path(fabric.broadcast(tempfile.mkdtemp()))
+
+
+def train_steps(fabric: Fabric, model: nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    """``steps`` plain training steps on the per-rank batches ``make_batch(step, rank)`` from step ``start``."""
+    for step in range(start, start + steps):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+
+
+def tensor_opt_state(opt: torch.optim.Optimizer) -> dict:
+    """Every tensor of the optimizer's state, gathered in full and copied, keyed by (parameter index, name)."""
+    return {(i, k): full(v).clone() for i, per_param in opt.state_dict()["state"].items()
+            for k, v in per_param.items() if torch.is_tensor(v)}
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

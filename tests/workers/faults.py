@@ -13,7 +13,6 @@ import errno
 import math
 import os
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
-from common import full, full_params, loss_fn, make_fabric
+from common import full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
 from harness import TIMEOUT, case, run_cases
 from models import TinyTransformer, make_batch
 
@@ -41,30 +40,18 @@ def _setup(fabric, seed=0, **model_kwargs):
     return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
 
 
-def _train(fabric, model, opt, steps=1, start=0):
-    for step in range(start, start + steps):
-        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
-        opt.step()
-        opt.zero_grad()
 
 
-def _opt_state(opt) -> dict:
-    return {(i, k): full(v).clone() for i, per in opt.state_dict()["state"].items() for k, v in per.items()
-            if torch.is_tensor(v)}
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _dir(fabric) -> Path:
-    return Path(fabric.broadcast(tempfile.mkdtemp()))
 
 
 @contextmanager
 def _tmpfs(fabric, size: str):
     """A tmpfs of ``size`` mounted by rank 0 for the block (unmounted afterwards), or :class:`Skip`."""
-    where = _dir(fabric)
+    where = shared_tmpdir(fabric)
     error = None
     if fabric.global_rank == 0:
         run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
@@ -120,8 +107,8 @@ def _fails_everywhere(call, kind, *fragments: str) -> dict:
 def _loads_exactly(fabric, path: Path, params: dict, opt_state: dict, **model_kwargs) -> None:
     model, opt = _setup(fabric, seed=7, **model_kwargs)
     fabric.load(path, {"model": model, "optimizer": opt})
-    assert _same(params, full_params(model)), f"the previous checkpoint {path} does not load exactly"
-    assert _same(opt_state, _opt_state(opt)), f"the previous checkpoint's optimizer state {path} differs"
+    assert same_tensors(params, full_params(model)), f"the previous checkpoint {path} does not load exactly"
+    assert same_tensors(opt_state, tensor_opt_state(opt)), f"the previous checkpoint's optimizer state {path} differs"
 
 
 def _skippable(fn):
@@ -157,14 +144,14 @@ def strict_key_mismatch_raises_on_every_rank_in_both_formats():
     report = {}
     for kind in ("sharded", "full"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
-        root = _dir(fabric)
+        root = shared_tmpdir(fabric)
         big, big_opt = _setup_model(fabric, WithExtra)
-        _train(fabric, big, big_opt, steps=1)
+        train_steps(fabric, big, big_opt, steps=1)
         fabric.save(root / "extra", {"model": big, "optimizer": big_opt})
         small, small_opt = _setup_model(fabric, TinyTransformer)
-        _train(fabric, small, small_opt, steps=1)
+        train_steps(fabric, small, small_opt, steps=1)
         fabric.save(root / "plain", {"model": small, "optimizer": small_opt})
-        params, opt_state = full_params(small), _opt_state(small_opt)
+        params, opt_state = full_params(small), tensor_opt_state(small_opt)
 
         fresh, fresh_opt = _setup_model(fabric, TinyTransformer, seed=3)
         report[f"{kind}_unexpected"] = _fails_everywhere(
@@ -190,7 +177,7 @@ def strict_key_mismatch_raises_on_every_rank_in_both_formats():
         model, _ = _setup_model(fabric, TinyTransformer, seed=5)
         fabric.load(root / "extra", {"model": model}, strict=False)
         expected = {k: v for k, v in full_params(big).items() if not k.startswith("extra.")}
-        assert _same(expected, full_params(model)), f"{kind}: strict=False did not load the matching keys"
+        assert same_tensors(expected, full_params(model)), f"{kind}: strict=False did not load the matching keys"
     return report
 
 
@@ -199,12 +186,12 @@ def shape_mismatch_names_the_tensor_in_both_formats():
     report = {}
     for kind in ("sharded", "full"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
-        path = _dir(fabric) / "ckpt"
+        path = shared_tmpdir(fabric) / "ckpt"
         model, opt = _setup_model(fabric, TinyTransformer, vocab=40)
         fabric.backward(model(make_batch(0, fabric.global_rank)[:, :-1]).float().pow(2).mean())  # optimizer state
         opt.step()
         fabric.save(path, {"model": model, "optimizer": opt})
-        params, opt_state = full_params(model), _opt_state(opt)
+        params, opt_state = full_params(model), tensor_opt_state(opt)
         other, other_opt = _setup_model(fabric, TinyTransformer, seed=2)
         for strict in (True, False):
             report[f"{kind}_strict_{strict}"] = _fails_everywhere(
@@ -231,10 +218,10 @@ def _saved_then_trained(fabric, path: Path, **model_kwargs):
     """A model and optimizer trained one step and saved at ``path``, then trained one more step: the state a failed
     save must not replace. Returns the model, the optimizer, and the saved parameters and optimizer state."""
     model, opt = _setup(fabric, **model_kwargs)
-    _train(fabric, model, opt, steps=1)
+    train_steps(fabric, model, opt, steps=1)
     _save_and_wait(fabric, path, {"model": model, "optimizer": opt})
-    params, opt_state = full_params(model), _opt_state(opt)
-    _train(fabric, model, opt, steps=1, start=1)
+    params, opt_state = full_params(model), tensor_opt_state(opt)
+    train_steps(fabric, model, opt, steps=1, start=1)
     return model, opt, params, opt_state
 
 
@@ -339,7 +326,7 @@ def a_disk_that_fills_inside_a_record_says_so_in_every_format():
         for on_rank in (0, 1) if kind != "full" else (0,):
             for room in (0, 100, 3000):  # before the first byte, inside the first record's header, inside data
                 fabric = make_fabric(WORLD, **_saver(kind))
-                root = _dir(fabric)
+                root = shared_tmpdir(fabric)
                 path = root / "ckpt"
                 model, opt, params, opt_state = _saved_then_trained(fabric, path)
                 with _disk_fills_after(room, on_rank, fabric.global_rank):
@@ -359,12 +346,12 @@ def a_disk_that_fills_inside_a_record_says_so_in_every_format():
 @case
 def a_write_that_fails_on_rank_1_only_names_rank_1():
     fabric = make_fabric(WORLD)
-    path = _dir(fabric) / "ckpt"
+    path = shared_tmpdir(fabric) / "ckpt"
     model, opt = _setup(fabric)
-    _train(fabric, model, opt, steps=1)
+    train_steps(fabric, model, opt, steps=1)
     fabric.save(path, {"model": model, "optimizer": opt})
-    params, opt_state = full_params(model), _opt_state(opt)
-    _train(fabric, model, opt, steps=1, start=1)
+    params, opt_state = full_params(model), tensor_opt_state(opt)
+    train_steps(fabric, model, opt, steps=1, start=1)
     original = dcp_fs.FileSystemWriter.write_data
 
     def broken(self, plan, planner):
@@ -387,20 +374,20 @@ def saving_and_loading_through_a_symlink():
     report = {}
     for kind in ("sharded", "full"):
         fabric = make_fabric(WORLD, state_dict_type=kind)
-        root = _dir(fabric)
+        root = shared_tmpdir(fabric)
         model, opt = _setup(fabric)
         fabric.save(root / "step-1", {"model": model, "optimizer": opt})
         if fabric.global_rank == 0:
             (root / "last").symlink_to("step-1")
         fabric.barrier()
-        _train(fabric, model, opt, steps=1)
+        train_steps(fabric, model, opt, steps=1)
         start = time.monotonic()
         fabric.save(root / "last", {"model": model, "optimizer": opt})
         report[kind] = round(time.monotonic() - start, 2)
         fabric.barrier()
         assert (root / "last").is_symlink() and os.readlink(root / "last") == "step-1", "the link was replaced"
         assert sorted(p.name for p in root.iterdir()) == ["last", "step-1"], sorted(root.iterdir())
-        params, opt_state = full_params(model), _opt_state(opt)
+        params, opt_state = full_params(model), tensor_opt_state(opt)
         _loads_exactly(fabric, root / "last", params, opt_state)
         _loads_exactly(fabric, root / "step-1", params, opt_state)
     return report
@@ -444,7 +431,7 @@ def make_cli_input():
     """A small sharded checkpoint for the CLI fault tests on the pytest side."""
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    _train(fabric, model, opt, steps=1)
+    train_steps(fabric, model, opt, steps=1)
     fabric.save(OUT / "cli_src", {"model": model, "optimizer": opt, "step": 1})
     make_fabric(WORLD, state_dict_type="full").save(OUT / "cli_src.pt", {"model": model, "optimizer": opt, "step": 1})
     return "ok"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import full_params, loss_fn, make_fabric
+from common import full_params, loss_fn, make_fabric, shared_tmpdir
 from harness import case, run_cases
 from lightning_fsdp.checkpoint.checksums import verify_checkpoint
 from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata, tensor_record_names
@@ -43,8 +43,6 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
-def _dir(fabric) -> Path:
-    return Path(fabric.broadcast(tempfile.mkdtemp()))
 
 
 def _setup(fabric, seed=0):
@@ -59,7 +57,7 @@ def _train(fabric, model, opt, step=0):
     opt.zero_grad()
 
 
-def _same(a: dict, b: dict) -> bool:
+def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -91,7 +89,7 @@ def crafted_files_run_no_code_on_any_rank():
     fabric = make_fabric(WORLD)
     full_fabric = make_fabric(WORLD, state_dict_type="full")
     model, opt = _setup(fabric)
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     marker = root / "MARKER"
     report = {}
 
@@ -223,7 +221,7 @@ def corruption_raises_on_every_rank_naming_file_and_tensor():
     full_fabric = make_fabric(WORLD, state_dict_type="full")
     model, opt = _setup(fabric)
     _train(fabric, model, opt)
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     good = full_params(model)
     sharded, full_path, later = root / "sharded", root / "full.pt", root / "later"
     fabric.save(sharded, {"model": model, "optimizer": opt})
@@ -248,7 +246,7 @@ def corruption_raises_on_every_rank_naming_file_and_tensor():
     if fabric.global_rank == 0:
         _flip(shard, offset)  # flipped back: the checkpoint is good again and loads exactly
     fabric.barrier()
-    assert _same(full_params(load_into_fresh(sharded)), good), "the repaired sharded checkpoint differs"
+    assert same_tensors(full_params(load_into_fresh(sharded)), good), "the repaired sharded checkpoint differs"
 
     # 2. A flipped byte in a full file's tensor record: a model tensor (checked as the load broadcasts it) and an
     # optimizer state tensor (checked after the optimizer's broadcasts).
@@ -273,7 +271,7 @@ def corruption_raises_on_every_rank_naming_file_and_tensor():
         if fabric.global_rank == 0:
             _flip(full_path, offset)
         fabric.barrier()
-        assert _same(full_params(load_into_fresh(full_path)), good), "the repaired full checkpoint differs"
+        assert same_tensors(full_params(load_into_fresh(full_path)), good), "the repaired full checkpoint differs"
 
     # 3. A shard copied in from another checkpoint of the same model (same layout, other values).
     if fabric.global_rank == 0:
@@ -287,7 +285,7 @@ def corruption_raises_on_every_rank_naming_file_and_tensor():
     if fabric.global_rank == 0:
         shutil.copy(root / "saved.distcp", shard)
     fabric.barrier()
-    assert _same(full_params(load_into_fresh(sharded)), good), "the restored sharded checkpoint differs"
+    assert same_tensors(full_params(load_into_fresh(sharded)), good), "the restored sharded checkpoint differs"
     return report
 
 
@@ -297,7 +295,7 @@ def old_checkpoints_without_checksums_load_with_a_note():
 
     fabric = make_fabric(WORLD)
     model, opt = _setup(fabric)
-    path = _dir(fabric) / "old"
+    path = shared_tmpdir(fabric) / "old"
     # What a save wrote before checksums: DCP's default writer, plus meta.pt.
     dcp.save({"model": get_model_state_dict(model.module)}, checkpoint_id=path)
     if fabric.global_rank == 0:
@@ -310,7 +308,7 @@ def old_checkpoints_without_checksums_load_with_a_note():
         state = {"model": other, "step": 0}
         fabric.load(path, state)
     notes = [str(w.message) for w in caught if "carries no checksums" in str(w.message)]
-    assert state["step"] == 3 and _same(full_params(other), expected)
+    assert state["step"] == 3 and same_tensors(full_params(other), expected)
     assert len(notes) == (1 if fabric.global_rank == 0 else 0), notes
     assert verify_checkpoint(path) is False
     return notes
@@ -321,12 +319,12 @@ def async_saves_record_checksums():
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
     _train(fabric, model, opt)
-    path = _dir(fabric) / "async"
+    path = shared_tmpdir(fabric) / "async"
     fabric.save(path, {"model": model, "optimizer": opt})
     expected = full_params(model)
     other, other_opt = _setup(fabric, seed=3)
     fabric.load(path, {"model": other, "optimizer": other_opt})  # waits for the save
-    assert _same(full_params(other), expected)
+    assert same_tensors(full_params(other), expected)
     assert verify_checkpoint(path) is True
     fabric.barrier()  # every rank has verified the good checkpoint before rank 0 damages it
     shard = path / "__0_0.distcp"
@@ -348,7 +346,7 @@ def crc32_checkpoints_still_verify():
     full_fabric = make_fabric(WORLD, state_dict_type="full")
     model, opt = _setup(fabric)
     _train(fabric, model, opt)
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     good = full_params(model)
     paths = {"sharded": root / "sharded", "full": root / "full.pt"}
     checksums.ALGORITHM = "crc32"  # what the writers recorded before
@@ -365,13 +363,13 @@ def crc32_checkpoints_still_verify():
         table = json.loads(new_zip.read(next(n for n in new_zip.namelist() if n.endswith("/checksums.json"))))
         assert table["algorithm"] == "xxh3_64" and table["records"], table
     plain = torch.load(new, weights_only=True)  # the extra record does not stop torch's own loader
-    assert _same(plain["model"], good)
+    assert same_tensors(plain["model"], good)
     report = {}
     for kind, path in paths.items():
         assert verify_checkpoint(path) is True
         other, other_opt = _setup(fabric, seed=5)
         fabric.load(path, {"model": other, "optimizer": other_opt})
-        assert _same(full_params(other), good), kind
+        assert same_tensors(full_params(other), good), kind
     fabric.barrier()
     shard = paths["sharded"] / "__0_0.distcp"
     offset, tensor = _middle_item(paths["sharded"], shard.name)
@@ -413,7 +411,7 @@ def cli_verifies_and_refuses_crafted_files():
     fabric = make_fabric(WORLD)
     full_fabric = make_fabric(WORLD, state_dict_type="full")
     model, opt = _setup(fabric)
-    root = _dir(fabric)
+    root = shared_tmpdir(fabric)
     sharded, full_path, old = root / "sharded", root / "full.pt", root / "old"
     fabric.save(sharded, {"model": model, "optimizer": opt})
     full_fabric.save(full_path, {"model": model, "optimizer": opt})
