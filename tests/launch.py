@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import warnings
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
-KNOWN_EXIT_ABORT = "terminate called without an active exception"
 LAUNCH_TIMEOUT_S = 900
 
 
@@ -61,7 +59,6 @@ class Launch:
     # not enough: a rank that crashes at exit, after its last result file, makes torchrun exit non-zero, and a
     # user's script, CI and the benchmarks would see that exit code.
     returncode: int | None = None
-    exit_abort_reported: bool = False
 
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"
@@ -78,17 +75,6 @@ class Launch:
                 pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}")
             details.append(record["details"])
         if self.returncode not in (0, None) and not self._a_case_failed():
-            if KNOWN_EXIT_ABORT in self.log:
-                # Known and open (issue 13, part 4): after every case passed and every result was written, a rank
-                # can still abort in the interpreter's teardown. Reported, not hidden: it shows in pytest's warning
-                # summary. Any other crash at exit fails the case.
-                if not self.exit_abort_reported:  # once per launch, with the stacks the fault handler printed
-                    self.exit_abort_reported = True
-                    at = self.log.index(KNOWN_EXIT_ABORT)
-                    warnings.warn(f"launch of case {name!r}: a rank aborted at exit ({KNOWN_EXIT_ABORT!r}) after"
-                                  " every case passed; see issue 13, part 4. Log from there:\n"
-                                  f"{self.log[at:at + 4000]}", UserWarning, stacklevel=2)
-                return details
             pytest.fail(
                 f"case {name!r} passed on every rank, but the launch exited with status {self.returncode} although"
                 f" no case failed (a crash at exit?); launch log tail:\n{self.log[-6000:]}"

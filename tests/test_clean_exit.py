@@ -3,9 +3,11 @@ exception") makes torchrun exit 1, which a user's script, CI and the benchmarks 
 intermittent (2 of 5 runs of a benchmark), so the short job is launched several times, all at once: the launches
 overlap their start-up, and the load makes exits race the way they do on a busy machine."""
 
+import os
 import subprocess
+import sys
 
-from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
+from launch import LAUNCH_TIMEOUT_S, Launch, free_port, torchrun, worker_env
 
 LAUNCHES = 5
 
@@ -21,3 +23,43 @@ def test_every_launch_exits_zero(tmp_path):
         if proc.returncode != 0:
             failures.append(f"launch {i} exited {proc.returncode}:\n{log[-2500:]}")
     assert not failures, f"{len(failures)} of {LAUNCHES} launches did not exit 0:\n" + "\n".join(failures)
+
+
+IN_FLIGHT_LAUNCHES = 2
+
+
+def test_a_collective_unfinished_at_exit_still_exits_zero(tmp_path):
+    """The mechanism of the crash, forced (``workers/exit_in_flight.py``): rank 0 exits with an all-reduce in flight
+    that rank 1 joins only once rank 0 is exiting. Without the wait at exit in ``process_exit.py``, rank 0 aborted in
+    every launch tried (4 of 4)."""
+    for i in range(IN_FLIGHT_LAUNCHES):
+        out = tmp_path / f"launch{i}"
+        proc = subprocess.run(torchrun("exit_in_flight.py", 2), env=worker_env(out), capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+        launch = Launch(out=out, world_size=2, log=proc.stdout + proc.stderr, returncode=proc.returncode)
+        details = launch.check("leave_an_all_reduce_in_flight_at_exit")
+        assert details == ["left in flight", "joined after rank 0 started exiting"]
+        assert (out / "rank0-exiting").is_file(), "rank 0's exit was not reached before rank 1 joined"
+        assert proc.returncode == 0, f"launch {i} exited {proc.returncode}:\n{launch.log[-4000:]}"
+
+
+IDLE_CHECK = """
+import os, time, torch, torch.distributed as dist
+from lightning_fsdp.process_exit import collective_threads
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(8))
+time.sleep(0.2)  # the workers drop their last works
+threads = collective_threads()
+assert threads and all(threads.values()), threads
+print("idle workers:", len(threads))
+"""
+
+
+def test_idle_gloo_workers_are_recognised():
+    """The wait at exit ends only when every gloo worker is idle: this kernel and C library must show an idle worker
+    as idle (and the check must find the workers at all), or every exit would wait out the limit."""
+    proc = subprocess.run([sys.executable, "-c", IDLE_CHECK], env=dict(os.environ, PORT=str(free_port())),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "idle workers:" in proc.stdout, proc.stdout + proc.stderr

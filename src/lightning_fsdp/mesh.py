@@ -9,7 +9,6 @@ The mesh always has one of two shapes:
 
 from __future__ import annotations
 
-import atexit
 import os
 from datetime import timedelta
 from typing import Optional, Protocol, Union
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
 from lightning_fsdp.errors import bad_argument
 from lightning_fsdp.failures import remember_timeout
+from lightning_fsdp.process_exit import register_exit_handler
 
 __all__ = ["ClusterInfo", "default_backend", "init_process_group", "build_mesh", "SHARD_AXIS", "REPLICATE_AXIS"]
 
@@ -52,6 +52,7 @@ def init_process_group(
     """Join the default process group unless this process already has one (several Fabric objects in one process
     share it)."""
     if dist.is_initialized():
+        register_exit_handler(destroy=False)  # the user's group: theirs to destroy, but the exit must still be clean
         return
     remember_timeout(timeout)
     os.environ["MASTER_ADDR"] = cluster.main_address
@@ -61,18 +62,7 @@ def init_process_group(
         # Binding the group to the device lets NCCL connect eagerly and avoids a device guess per collective.
         kwargs["device_id"] = device
     dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
-    # Destroy every group (the default one, the mesh's, the background-save group) at exit, for every backend, while
-    # the interpreter is still whole. A group left to the interpreter's own teardown is freed at an arbitrary point
-    # of it, with its C++ threads still attached; that can abort a process whose work is done ("terminate called
-    # without an active exception", torchrun then exits 1), and NCCL warns about a group never destroyed. Python
-    # joins its non-daemon threads (DCP's background writers among them) before it runs `atexit` handlers, so no
-    # background save is cut off.
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    register_exit_handler(destroy=True)
 
 
 def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_nodes: int) -> DeviceMesh:
