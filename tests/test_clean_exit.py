@@ -3,6 +3,7 @@ exception") makes torchrun exit 1, which a user's script, CI and the benchmarks 
 intermittent (2 of 5 runs of a benchmark), so the short job is launched several times, all at once: the launches
 overlap their start-up, and the load makes exits race the way they do on a busy machine."""
 
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,10 @@ def test_a_collective_unfinished_at_exit_still_exits_zero(tmp_path):
         details = launch.check("leave_an_all_reduce_in_flight_at_exit")
         assert details == ["left in flight", "joined after rank 0 started exiting"]
         assert (out / "rank0-exiting").is_file(), "rank 0's exit was not reached before rank 1 joined"
+        # The library's handler held rank 0's exit until rank 1 had joined and the worker was idle again.
+        after_wait = json.loads((out / "rank0-after-wait.json").read_text())
+        joined = json.loads((out / "rank1-joined.json").read_text())
+        assert after_wait["busy"] == [] and after_wait["time"] > joined["time"], (after_wait, joined)
         assert proc.returncode == 0, f"launch {i} exited {proc.returncode}:\n{launch.log[-4000:]}"
 
 

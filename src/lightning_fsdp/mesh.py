@@ -52,7 +52,7 @@ def init_process_group(
     """Join the default process group unless this process already has one (several Fabric objects in one process
     share it)."""
     if dist.is_initialized():
-        register_exit_handler(destroy=False)  # the user's group: theirs to destroy, but the exit must still be clean
+        register_exit_handler()  # the user's group is theirs to destroy; the wait for gloo's workers still helps
         return
     remember_timeout(timeout)
     os.environ["MASTER_ADDR"] = cluster.main_address
@@ -62,7 +62,7 @@ def init_process_group(
         # Binding the group to the device lets NCCL connect eagerly and avoids a device guess per collective.
         kwargs["device_id"] = device
     dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
-    register_exit_handler(destroy=True)
+    register_exit_handler(created=dist.group.WORLD)
 
 
 def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_nodes: int) -> DeviceMesh:

@@ -28,6 +28,7 @@ if os.environ.get("RANK") == "0":
     # so this goes before any other import. A sort holds the GIL in C code for about a second.
     atexit.register(sorted, [random.random() for _ in range(1_500_000)])
 
+import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -35,7 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import make_fabric  # noqa: E402
-from harness import case, run_cases  # noqa: E402
+from harness import case, rank, run_cases  # noqa: E402
+from lightning_fsdp.process_exit import busy_collective_threads  # noqa: E402
 
 KEPT: list = []  # alive until the interpreter's teardown, as a user's model and tensors are
 JOIN_AFTER_S = 0.1  # rank 1 joins the all-reduce this long after rank 0 started exiting
@@ -52,10 +54,18 @@ class HandsOverTheGIL:
         sleep(0.5)
 
 
+def record_after_the_wait(out: Path) -> None:
+    """Runs right after the library's handler: when it ended, and whether any worker was still busy."""
+    out.write_text(json.dumps({"time": time.time(), "busy": busy_collective_threads()}))
+
+
 @case
 def leave_an_all_reduce_in_flight_at_exit():
+    folder = Path(os.environ["LFSDP_TEST_OUT"])
+    if rank() == 0:
+        atexit.register(record_after_the_wait, folder / "rank0-after-wait.json")  # before the library's: runs after
     fabric = make_fabric(2)
-    marker = Path(fabric.broadcast(os.environ["LFSDP_TEST_OUT"])) / "rank0-exiting"
+    marker = folder / "rank0-exiting"
     model = fabric.setup_module(torch.nn.Linear(16, 16))
     group = fabric.strategy._engine.mesh.get_group()  # held by the model, so it outlives destroy_process_group
     value = torch.full((64,), float(fabric.global_rank + 1))
@@ -64,6 +74,11 @@ def leave_an_all_reduce_in_flight_at_exit():
         HandsOverTheGIL()
         atexit.register(marker.write_text, "exiting")  # registered after the library's handler, so it runs first
         dist.all_reduce(value, group=group, async_op=True)  # the handle is dropped at once
+        # Until rank 1 joins, a worker waits in the collective: the check at exit must see it as busy.
+        deadline = time.monotonic() + 5
+        while not busy_collective_threads():  # (once a worker has taken the work from the queue)
+            assert time.monotonic() < deadline, "the worker running the all-reduce reads as idle"
+            time.sleep(0.001)
         return "left in flight"
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -71,6 +86,7 @@ def leave_an_all_reduce_in_flight_at_exit():
             raise TimeoutError("rank 0 never reached its exit")
         time.sleep(0.005)
     time.sleep(JOIN_AFTER_S)
+    (folder / "rank1-joined.json").write_text(json.dumps({"time": time.time()}))
     dist.all_reduce(value, group=group, async_op=True).wait()
     assert value.tolist() == [3.0] * 64, value
     return "joined after rank 0 started exiting"
