@@ -86,19 +86,20 @@ def _write_sharded(
     path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any], comm: Communicator,
     background: Optional[AsyncSaves],
 ) -> Path:
-    target, staged = _prepare(path, comm)
-    writer = _checksum_writer(staged, comm)
     if background is not None:
-        background.start(tensors, metadata, staged, target, comm, writer=writer)
+        background.wait(comm)  # the previous background save first: its error is raised before anything is staged
+
+        def stage_metadata(staged: Path) -> None:
+            staged.mkdir(parents=True)
+            save_file(metadata, staged / METADATA_FILENAME)
+
+        target, staged, save_id = _prepare(path, comm, "Preparing the background save of", stage_metadata)
+        background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id))
         return target
 
-    def make_staging() -> None:
-        if comm.global_rank == 0:
-            staged.mkdir(parents=True)
-
-    # Its own agreed step, not a barrier: a rank-0 failure here (a read-only filesystem) must reach the others now,
-    # not after they waited out the process group's timeout in the barrier.
-    together(comm, f"Creating the staging directory for {str(target)!r}", make_staging)
+    target, staged, save_id = _prepare(path, comm, "Creating the staging directory for",
+                                       lambda staged: staged.mkdir(parents=True))
+    writer = ChecksumWriter(staged, save_id=save_id)
 
     def write() -> None:
         dcp.save(tensors, checkpoint_id=staged, storage_writer=writer, planner=_CachedPlans())
@@ -118,7 +119,7 @@ def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
 
 
 def _write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
-    target, staged = _prepare(path, comm)
+    target, staged, _ = _prepare(path, comm, "Checking the checkpoint path")
 
     def write() -> None:
         write_full_checkpoint(staged, obj, is_writer=comm.global_rank == 0)
@@ -129,22 +130,37 @@ def _write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
     return target
 
 
-def _prepare(path: Union[str, Path], comm: Communicator) -> tuple[Path, Path]:
-    # Through a symlink, the save replaces the checkpoint the link points to and keeps the link (see `atomic`).
-    target = Path(comm.broadcast(str(atomic.resolve(Path(path)))))
+def _prepare(
+    path: Union[str, Path], comm: Communicator, what: str, on_rank_0: Optional[Callable[[Path], None]] = None,
+) -> tuple[Path, Path, str]:
+    """The target, its staging path and the save id, with the target's folder checked on every rank and
+    ``on_rank_0(staged)`` run on rank 0, all in one agreed step.
+
+    Rank 0 names everything, in one broadcast (each collective is a visible share of a background save's call): the
+    target, resolved through a symlink (a save replaces the checkpoint the link points to and keeps the link, see
+    `atomic`), the staging path's token, and the save id that the checksum of every item records (`.checksums`).
+    """
+    named = (str(atomic.resolve(Path(path))), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
+    resolved, token, save_id = comm.broadcast(named)
+    target = Path(resolved)
+    staged = atomic.staging_path(target, token)
 
     def check() -> None:
         atomic.check_replaceable(target)
         # Like torch.save through Lightning's CheckpointIO, a save creates the folder it writes into.
         target.parent.mkdir(parents=True, exist_ok=True)
+        if on_rank_0 is not None and comm.global_rank == 0:
+            on_rank_0(staged)
 
-    together(comm, "Checking the checkpoint path", check)
-    return target, atomic.staging_path(target, comm.broadcast(uuid.uuid4().hex[:12]))
-
-
-def _checksum_writer(staged: Path, comm: Communicator) -> ChecksumWriter:
-    """DCP's writer, recording a checksum per item under one save id shared by all ranks (:mod:`.checksums`)."""
-    return ChecksumWriter(staged, save_id=comm.broadcast(new_save_id()))
+    try:
+        # Its own agreed step, not a barrier: a rank-0 failure here (a read-only filesystem, a full disk) reaches
+        # the others now, not after they waited out the process group's timeout in the barrier.
+        together(comm, f"{what} {str(target)!r}", check)
+    except BaseException:
+        if comm.global_rank == 0:
+            atomic.discard(staged)  # e.g. a `meta.pt` that did not fit must not leave the staging directory behind
+        raise
+    return target, staged, save_id
 
 
 class _CachedPlans(dcp.DefaultSavePlanner):
@@ -224,26 +240,18 @@ class AsyncSaves:
     def in_flight(self) -> bool:
         return self._future is not None
 
-    def start(
-        self, tensors: dict[str, Any], metadata: dict[str, Any], staged: Path, target: Path, comm,
-        writer: ChecksumWriter,
-    ) -> None:
+    def start(self, tensors: dict[str, Any], staged: Path, target: Path, comm, writer: ChecksumWriter) -> None:
+        """Stage ``tensors`` and write them to ``staged`` (which rank 0 has created, with ``meta.pt`` in it) in the
+        background; rank 0 then moves it to ``target``."""
         self.wait(comm)
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
-
-        def prepare() -> None:
-            if comm.global_rank == 0:
-                staged.mkdir(parents=True)
-                save_file(metadata, staged / METADATA_FILENAME)
-
         try:
-            together(comm, f"Preparing the background save of {str(target)!r}", prepare)
             future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group,
                                     planner=_CachedPlans(), async_stager=self._stager)
         except BaseException:
             if comm.global_rank == 0:
-                atomic.discard(staged)  # a failed `meta.pt` (a full disk) must not leave the staging directory behind
+                atomic.discard(staged)
             raise
         self._future, self._target, self._commit_error = future, target, None
         self._committed = threading.Event()
