@@ -17,9 +17,9 @@ The example GPT (``examples/train_gpt.py``: token and position embeddings, pre-n
 
 Step time: every configuration of a suite is set up in the same launch and takes one warm-up step (it creates the
 optimizer state); then each round times ``--steps`` steps of each configuration, in an order that alternates
-from round to round, and their mean is the round's step time. Ratios pair the configurations of the same round. Memory, in a launch of its own (``--memory-rounds`` rounds): set
-up, a warm-up step, then the extra peak RSS of one forward and backward (where activations live) over the resting
-state with optimizer state:
+from round to round, and their mean is the round's step time. Ratios pair the configurations of the same round.
+Memory, in a launch of its own (``--memory-rounds`` rounds): set up, a warm-up step, then the extra peak RSS of one
+forward and backward (where activations live) over the resting state with optimizer state:
 glibc's ``malloc_trim(0)`` first returns freed heap pages, ``5 > /proc/self/clear_refs`` resets the peak to the
 current RSS, and ``VmHWM`` after the backward minus that is the extra; the larger of the ranks' values is reported.
 In the memory launch, allocations of 64 KiB and more get pages of their own (a fixed glibc mmap threshold, set at
@@ -69,9 +69,8 @@ SUITES = {
         "backward_prefetch=2": {"backward_prefetch": 2},
     }),
     # Activation checkpointing is for long sequences: 4 of 256 tokens per rank, where activations dominate memory
-    # and the recomputed forward is a visible share of a step. With 64-token sequences the cost of op-level
-    # selection in torch's dispatch mode (per op, not per element) is as large as the matmuls it saves recomputing,
-    # and selective and full checkpointing step alike within the noise.
+    # and the recomputed forward is a visible share of a step. With 64-token sequences that share is too small to
+    # show through the noise, and selective and full checkpointing stepped alike.
     "checkpointing": Suite(2, 256, 4, {
         "none": {},
         "full": {"activation_checkpointing_policy": "train_gpt.Block"},
