@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ["README.md", "configs/README.md"]
+DOCS = ["README.md", "configs/README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md")))]
 CODE = re.compile(r"`([^`\n]+)`")
 FILE_ID = re.compile(r"^(?:tests/)?(test_\w+\.py)(?:::(\w+)?(\[[^\]]*\])?)?$")
 WORKER_FILE = re.compile(r"^tests/(?:workers/)?[\w/]+\.py$")
