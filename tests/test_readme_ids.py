@@ -71,7 +71,7 @@ def _exists(pattern: str, collected: list[str]) -> bool:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_cited_test_exists(doc, collected):
     cited = cited_ids((ROOT / doc).read_text())
-    assert cited or doc != "README.md", "no test ids found in README.md: the parser is broken"
+    assert cited or doc != "docs/guides/checkpoints.md", f"no test ids found in {doc}: the parser is broken"
     missing = [written for pattern, written in cited if not _exists(pattern, collected)]
     assert not missing, f"{doc} cites tests that pytest does not collect: {missing}"
 
