@@ -33,7 +33,7 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$fingerprint" ]] \
 import importlib.metadata as md, importlib.util, sys
 # Metadata only, no imports: importing torch and lightning would take seconds.
 assert md.version("torch").split("+")[0] == sys.argv[1]
-assert md.version("lightning-fsdp") and md.version("pytest")
+assert md.version("lightning-fsdp") and md.version("pytest") and md.version("mkdocs-material")
 assert importlib.util.find_spec("lightning_fsdp") is not None
 PYCHECK
     echo "[install] $VENV is up to date"
@@ -49,8 +49,8 @@ echo "[install] torch==$TORCH_VERSION"
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is meant to be word-split
 pip_install ${TORCH_PIP_ARGS:-} "torch==$TORCH_VERSION"
 
-echo "[install] lightning-fsdp (editable) with test extras, constrained by .ci/constraints.txt"
-pip_install -c "$CONSTRAINTS" -e ".[test]"
+echo "[install] lightning-fsdp (editable) with the test and docs extras, constrained by .ci/constraints.txt"
+pip_install -c "$CONSTRAINTS" -e ".[test,docs]"
 
 "$PY" -c "import torch, lightning, lightning_fsdp as lf; print(f'[install] ok: torch {torch.__version__},' \
     f' lightning {lightning.__version__}, lightning-fsdp {lf.__version__}')"

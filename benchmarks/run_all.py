@@ -5,7 +5,7 @@
 
 Each script in ``SCRIPTS`` measures its figures as ratios against a baseline run in the same invocation, the sides
 alternating across rounds, and reports median, min and max (``rows.py``). This collects their rows into
-``docs/benchmarks.json`` and ``docs/benchmarks.md`` and draws ``docs/*.png``: memory per rank against N, step time per
+``docs/benchmarks.json`` and ``docs/benchmarks-table.md`` (included by ``docs/benchmarks.md``) and draws ``docs/*.png``: memory per rank against N, step time per
 configuration, and save throughput against the disk. Timings are of this machine at the time of the run: compare
 ratios, not seconds. ``--quick`` runs every script with small models and one or two rounds, to check that they work.
 """
@@ -179,11 +179,11 @@ def main() -> None:
     meta["seconds"] = time.perf_counter() - start
     meta["seconds_per_script"] = timings
     (out / "benchmarks.json").write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
-    (out / "benchmarks.md").write_text(markdown(rows, meta))
+    (out / "benchmarks-table.md").write_text(markdown(rows, meta))
     pictures = plot(rows, out)
     print(format_table(rows))
     print(f"[run_all] {len(rows)} figures in {meta['seconds']:.0f} s; wrote {out / 'benchmarks.json'},"
-          f" {out / 'benchmarks.md'} and {', '.join(p.name for p in pictures)}")
+          f" {out / 'benchmarks-table.md'} and {', '.join(p.name for p in pictures)}")
     missed = [r["figure"] for r in rows if r["met"] is False]
     if missed:
         print(f"[run_all] targets missed: {missed}")

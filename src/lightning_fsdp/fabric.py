@@ -44,7 +44,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
     Accepts the arguments of Lightning's Fabric ``FSDPStrategy`` and gives them their FSDP2 meaning.
 
     Args:
-        accelerator, parallel_devices, cluster_environment: set by Fabric; rarely passed by hand.
+        accelerator: set by Fabric; rarely passed by hand.
+        parallel_devices: set by Fabric; rarely passed by hand.
+        cluster_environment: set by Fabric; rarely passed by hand.
         precision: a precision plugin or name (``"bf16-mixed"``, ...). Usually set with ``Fabric(precision=...)``;
             when given here, Lightning's connector uses it and ignores ``Fabric(precision=...)``.
         process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU unless given.

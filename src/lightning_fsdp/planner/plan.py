@@ -122,7 +122,8 @@ def plan_memory(
             builds one (called under fake tensors, so a model of any size costs nothing to build).
         batch: one rank's batch, or a callable that returns it: a tensor (the one positional argument), a tuple
             (positional arguments) or a dict (keyword arguments).
-        world_size, num_nodes: the run to plan.
+        world_size: the number of ranks of the run to plan.
+        num_nodes: the number of nodes of the run to plan.
         precision: as in ``Fabric(precision=...)``.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (with momentum).
         **strategy_options: ``FSDPStrategy``'s own arguments: ``sharding_strategy``, ``auto_wrap_policy``,

@@ -1,0 +1,137 @@
+"""The documentation cannot rot: every Python block of the README and of ``docs/`` runs, the site builds in strict
+mode, the README's links land on real pages and anchors, and the benchmark table is what the run of record gives.
+
+How blocks are found and marked: ``tests/doc_snippets.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from doc_snippets import ROOT, all_snippets, parse
+from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
+
+SNIPPETS = all_snippets()
+BY_RANKS = {n: [s for s in SNIPPETS if s.kind == "python" and s.ranks == n] for n in (1, 2, 4)}
+
+
+def _run(snippets, nproc: int, tmp: Path) -> Launch:
+    tmp.mkdir(parents=True, exist_ok=True)
+    listing = tmp / "snippets.json"
+    listing.write_text(json.dumps([dict(s.to_dict(), name=s.name) for s in snippets]))
+    out = tmp / "out"
+    env = worker_env(out, LFSDP_SNIPPETS=str(listing), PYTHONWARNINGS="ignore")
+    script = str(Path(__file__).parent / "workers" / "doc_snippets.py")
+    command = torchrun("doc_snippets.py", nproc) if nproc > 1 else [sys.executable, script]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr, returncode=proc.returncode)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """One launch per rank count, started lazily, so a `-k` selection runs only what it needs."""
+    cache: dict[int, Launch] = {}
+
+    def get(nproc: int) -> Launch:
+        if nproc not in cache:
+            cache[nproc] = _run(BY_RANKS[nproc], nproc, tmp_path_factory.mktemp(f"snippets{nproc}"))
+        return cache[nproc]
+
+    return get
+
+
+def test_there_are_snippets_to_run():
+    """The control for the parametrized test below: the parser must find the blocks the README is known to hold."""
+    readme = [s for s in SNIPPETS if s.path == "README.md"]
+    assert {s.kind for s in readme} == {"python", "cli-config"}, readme
+    assert len([s for s in SNIPPETS if s.kind == "python"]) >= 8
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "python"], ids=lambda s: s.name)
+def test_python_snippet_runs(snippet, launches):
+    launches(snippet.ranks).check(snippet.name)
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "cli-config"], ids=lambda s: s.name)
+def test_yaml_snippet_trains(snippet, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(snippet.code)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
+         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+
+def test_markers_are_checked():
+    """A misspelled option, or a marker before a block that is not run, is an error rather than a silent skip."""
+    with pytest.raises(ValueError, match="unknown snippet option"):
+        parse("<!-- snippet: rank=2 -->\n```python\npass\n```\n", "x.md")
+    with pytest.raises(ValueError, match="not run"):
+        parse("<!-- snippet: ranks=2 -->\n```bash\nls\n```\n", "x.md")
+    found = parse("<!-- snippet: ranks=2 -->\n\n```python\npass\n```\n\nText.\n\n```python\nx = 1\n```\n", "x.md")
+    assert [(s.line, s.ranks) for s in found] == [(3, 2), (9, 1)]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return out
+
+
+def test_site_builds_in_strict_mode(site):
+    assert (site / "index.html").is_file()
+    api = (site / "reference" / "api" / "index.html").read_text()
+    assert "reshard_after_forward" in api, "the API reference did not render the strategy's docstring"
+
+
+LINK = re.compile(r"\]\((?!https?://|mailto:)([^)#\s]+)(?:#([^)\s]+))?\)")
+
+
+def test_readme_links_land_on_pages_and_anchors(site):
+    """mkdocs checks the links between pages; the README is not a page, so its links are checked here."""
+    bad = []
+    for target, anchor in LINK.findall((ROOT / "README.md").read_text()):
+        path = ROOT / target
+        if not path.exists():
+            bad.append(f"{target}: no such file")
+            continue
+        if anchor:
+            rel = path.relative_to(ROOT / "docs").with_suffix("")
+            html = site / (rel.parent if rel.name == "index" else rel) / "index.html"
+            if f'id="{anchor}"' not in html.read_text():
+                bad.append(f"{target}#{anchor}: no such anchor")
+    assert not bad, bad
+
+
+def test_benchmark_table_is_the_run_of_record():
+    """The figures on the benchmark page are what `benchmarks/run_all.py` made of `docs/benchmarks.json`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from run_all import markdown
+
+    record = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+    table = (ROOT / "docs" / "benchmarks-table.md").read_text()
+    assert table == markdown(record["rows"], record["machine"]), "docs/benchmarks-table.md differs from the JSON"
+    assert '--8<-- "docs/benchmarks-table.md"' in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_every_error_type_raised_is_in_troubleshooting():
+    """A new exception type raised by the package needs its row in the troubleshooting guide."""
+    page = (ROOT / "docs" / "guides" / "troubleshooting.md").read_text()
+    raised = set()
+    for source in (ROOT / "src" / "lightning_fsdp").rglob("*.py"):
+        raised |= set(re.findall(r"raise (\w+(?:Error|Failure|Exception))\b", source.read_text()))
+    missing = sorted(name for name in raised if f"`{name}`" not in page)
+    assert not missing, f"raised but not explained in docs/guides/troubleshooting.md: {missing}"
