@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -39,6 +40,7 @@ from torch.nn import Module
 
 from lightning_fsdp.checkpoint import hf_checks
 from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.safetensors_stream import DTYPE_NAMES
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
 
@@ -48,6 +50,7 @@ _SUFFIX = ".safetensors"
 # Module wrappers that add a segment to parameter names but not to state-dict keys (activation checkpointing,
 # torch.compile); state-dict keys are what the files use.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # a safetensors header's dtype name -> torch's
 
 
 @dataclass
@@ -124,7 +127,7 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
 
     def check() -> tuple[LoadReport, list[str]]:
         report, load_names = _match(state, metadata, _tied_names(module))
-        hf_checks.check_weights(state, metadata, report.loaded_keys, reader.placed)
+        hf_checks.check_weights(state, metadata, report.loaded_keys, reader.holders, reader.placed)
         if strict and (report.missing_keys or report.unexpected_keys):
             raise KeyError(
                 f"Loading {str(source)!r} into {_class_name(module)} with `strict=True`: missing keys"
@@ -162,6 +165,7 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         self.fs = _Listing(self.fs, files)
         self._progress = progress
         self.placed: set[str] = set()  # the files whose header places their chunks (DCP_SHARDING_INFO)
+        self.holders: dict[str, dict[str, torch.dtype]] = defaultdict(dict)  # tensor -> file -> stored dtype
 
     def read_metadata(self) -> Metadata:
         from safetensors import safe_open
@@ -170,7 +174,10 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         for name in self.fs.ls(self.path):
             with safe_open(name, framework="pt") as file:
                 header = file.metadata()
-                hf_checks.check_sharding_info(name, header, {k: file.get_slice(k).get_shape() for k in file.keys()})
+                slices = {key: file.get_slice(key) for key in file.keys()}
+                hf_checks.check_sharding_info(name, header, {key: s.get_shape() for key, s in slices.items()})
+                for key, piece in slices.items():
+                    self.holders[key][name] = _stored_dtype(name, key, piece.get_dtype())
             if header and header.get(hf_checks.SHARDING_INFO_KEY):
                 self.placed.add(name)
         return super().read_metadata()
@@ -197,6 +204,13 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _stored_dtype(file: str, tensor: str, name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise TypeError(f"{file!r} stores {tensor!r} as {name}, a dtype torch cannot load. Allowed:"
+                        f" {', '.join(_DTYPES)}. HINT: convert the file with the library that wrote it.")
+    return _DTYPES[name]
 
 
 class _Listing:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,15 +131,17 @@ def check_sharding_info(file: str, header: Mapping[str, str] | None, shapes: Map
 # ---------------------------------------------------------------------------------------------------- weights
 
 
-def check_weights(state: Mapping[str, Any], metadata: Metadata, names: Sequence[str], placed: set[str]) -> None:
+def check_weights(state: Mapping[str, Any], metadata: Metadata, names: Sequence[str],
+                  files: Mapping[str, Mapping[str, torch.dtype]], placed: set[str]) -> None:
     """Raise unless each of ``names`` (in the model's ``state`` and in the files) can be read exactly.
 
-    ``placed`` are the files whose header places their chunks (``DCP_SHARDING_INFO``): a tensor with a chunk in one
-    of them is a sharded save's, to be tiled by its chunks, even when only one chunk at offset 0 is there. Shapes
-    come first (the common mistake: another config), then the chunks' geometry, then the dtypes.
+    ``files`` gives, per tensor name, each file holding a chunk of it and the dtype stored there (DCP's metadata
+    keeps one file per offset, so a tensor stored twice would look stored once). ``placed`` are the files whose
+    header places their chunks (``DCP_SHARDING_INFO``): a tensor with a chunk in one of them is a sharded save's, to
+    be tiled by its chunks, even when only one chunk at offset 0 is there. Shapes come first (the common mistake:
+    another config), then the chunks' geometry, then the dtypes.
     """
     stored = metadata.state_dict_metadata
-    files = _files_of(metadata)
     shape_errors, chunk_errors, kind_errors = [], [], []
     for name in names:
         shape = tuple(state[name].shape)
@@ -195,6 +196,8 @@ def _tiling_problem(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], 
         for other_offsets, other_sizes in ordered[i + 1:]:
             if shape and other_offsets[0] >= offsets[0] + sizes[0]:
                 break
+            if (offsets, sizes) == (other_offsets, other_sizes):
+                return f"the chunk of shape {list(sizes)} at offset {list(offsets)} is stored twice"
             if _overlap(offsets, sizes, other_offsets, other_sizes):
                 return (f"the chunks at offsets {list(offsets)} (shape {list(sizes)}) and {list(other_offsets)}"
                         f" (shape {list(other_sizes)}) overlap")
@@ -217,14 +220,6 @@ def _numel(sizes: Sequence[int]) -> int:
     for size in sizes:
         count *= size
     return count
-
-
-def _files_of(metadata: Metadata) -> dict[str, dict[str, torch.dtype]]:
-    """Per tensor name, the files holding a chunk of it and the dtype each stores."""
-    files: dict[str, dict[str, torch.dtype]] = defaultdict(dict)
-    for index, info in metadata.storage_data.items():
-        files[index.fqn][str(info.relative_path)] = info.dtype
-    return files
 
 
 def _kind(dtype: torch.dtype) -> str:
