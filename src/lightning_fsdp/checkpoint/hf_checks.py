@@ -68,7 +68,8 @@ def index_files(directory: Path, index: Path, weight_map: Mapping[str, Any]) -> 
             " by their plain file names in 'weight_map' (as `save_pretrained` writes them), or load the other"
             " checkpoint from its own directory."
         )
-    return sorted({directory / name for name in by_file})
+    # Normalized, so "./a.safetensors" and "a.safetensors" are one file, read once.
+    return sorted({directory / os.path.normpath(name) for name in by_file})
 
 
 def _entry_problem(directory: Path, root: Path, blobs: Path | None, name: str) -> str:
@@ -144,7 +145,7 @@ def check_weights(state: Mapping[str, Any], metadata: Metadata, names: Sequence[
     stored = metadata.state_dict_metadata
     shape_errors, chunk_errors, kind_errors = [], [], []
     for name in names:
-        shape = tuple(state[name].shape)
+        shape = tuple(getattr(state[name], "shape", ()))
         chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in stored[name].chunks]
         whole = len(chunks) == 1 and not any(chunks[0][0]) and not placed.intersection(files[name])
         if whole:  # one whole tensor, as `save_pretrained` writes it
@@ -155,9 +156,9 @@ def check_weights(state: Mapping[str, Any], metadata: Metadata, names: Sequence[
             if problem:
                 where = ", ".join(sorted({Path(f).name for f in files[name]}))
                 chunk_errors.append(f"{name} (model {shape}, in {where}): {problem}")
-        wanted = state[name].dtype
+        wanted = getattr(state[name], "dtype", None)
         for file, dtype in sorted(files[name].items()):
-            if _kind(dtype) != _kind(wanted):
+            if wanted is not None and _kind(dtype) != _kind(wanted):
                 kind_errors.append(f"{name}: {Path(file).name} holds {_short(dtype)} ({_kind(dtype)}), the model"
                                    f" {_short(wanted)} ({_kind(wanted)})")
     if shape_errors:
