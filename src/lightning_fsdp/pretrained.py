@@ -39,8 +39,11 @@ def load_pretrained(module: Module, path: Union[str, Path], *, strict: bool = Tr
             not in the model. With ``strict=False`` they are reported as a warning on rank 0 and the missing
             weights keep their initial values, as with ``from_pretrained``.
 
-    Every rank reads only the slices of its own shards, converting dtypes as needed (a bf16 file into fp32
-    parameters). Tied weights (``lm_head`` sharing the embedding) load from whichever name the files hold.
+    Every rank reads only the slices of its own shards, converting precision within a dtype's kind (a bf16 file
+    into fp32 parameters). Tied weights (``lm_head`` sharing the embedding) load from whichever name the files hold.
+    A load that cannot be exact raises on every rank before any weight is read, whatever ``strict`` says: a shape
+    that differs, chunks of a sharded save that do not tile a weight exactly, a dtype of another kind (integers
+    for a float weight), or an index entry that leads outside the directory.
     Call it on every rank, after the model is sharded. Returns the :class:`LoadReport` (missing and unexpected
     names), the same on every rank.
     """

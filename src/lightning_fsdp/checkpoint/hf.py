@@ -13,7 +13,9 @@ Parameter names are compared the way ``from_pretrained`` compares them: a weight
 is *missing*, a tensor of the files the model lacks is *unexpected*, and tied parameters (an ``lm_head`` sharing
 the input embedding) count as present when any of their names is in the files. ``strict=True`` makes missing or
 unexpected names an error that lists them; otherwise they are reported as a warning on rank 0, like
-``from_pretrained``'s load report. A shape that differs is always an error: it cannot be loaded into a shard.
+``from_pretrained``'s load report. A load that cannot be exact is always an error, raised on every rank before any
+weight is read (see ``hf_checks``): a shape that differs, chunks that do not tile a weight, a dtype of another kind,
+an index entry outside the directory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -35,7 +38,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.futures import Future
 from torch.nn import Module
 
+from lightning_fsdp.checkpoint import hf_checks
 from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.safetensors_stream import DTYPE_NAMES
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
 
@@ -45,6 +50,7 @@ _SUFFIX = ".safetensors"
 # Module wrappers that add a segment to parameter names but not to state-dict keys (activation checkpointing,
 # torch.compile); state-dict keys are what the files use.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # a safetensors header's dtype name -> torch's
 
 
 @dataclass
@@ -88,13 +94,14 @@ def safetensors_files(path: Union[str, Path]) -> list[Path]:
         return [path / SINGLE_FILENAME]
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
+    except (ValueError, KeyError, TypeError) as err:
         raise ValueError(
             f"{str(index)!r} is not a safetensors index (expected JSON with a 'weight_map' of tensor name to file"
             f" name): {err}. HINT: re-create it with `save_pretrained`, or delete it to load {SINGLE_FILENAME}."
         ) from err
-    files = [path / name for name in names]
+    files = hf_checks.index_files(path, index, weight_map)
     absent = [str(f) for f in files if not f.is_file()]
     if absent:
         raise FileNotFoundError(
@@ -108,7 +115,8 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
     """Read the safetensors weights at ``path`` into ``module`` (sharded or not), each rank its own slices.
 
     Returns the :class:`LoadReport` on every rank. Raises on every rank alike when a file cannot be read, a shape
-    differs, or (``strict=True``) a name is missing or unexpected.
+    differs, chunks do not tile a weight, a dtype is of another kind, or (``strict=True``) a name is missing or
+    unexpected. Every check runs before the first weight is read, so a refused load leaves the model as it was.
     """
     source = Path(comm.broadcast(str(path)))
     files = together(comm, f"Finding the safetensors files of {str(source)!r}", lambda: safetensors_files(source))
@@ -116,13 +124,20 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
     # Every rank reads the headers itself (a few kB each), so every rank can plan its own reads.
     metadata: Metadata = together(comm, f"Reading the safetensors headers of {str(source)!r}", reader.read_metadata)
     state = get_model_state_dict(module)
-    report, load_names = _match(state, metadata, _tied_names(module))
-    if strict and (report.missing_keys or report.unexpected_keys):
-        raise KeyError(
-            f"Loading {str(source)!r} into {_class_name(module)} with `strict=True`: missing keys"
-            f" {report.missing_keys}, unexpected keys {report.unexpected_keys}. HINT: pass `strict=False` to load"
-            " the weights that match and keep the initial values of the rest (the names are reported as a warning)."
-        )
+
+    def check() -> tuple[LoadReport, list[str]]:
+        report, load_names = _match(state, metadata, _tied_names(module))
+        hf_checks.check_weights(state, metadata, report.loaded_keys, reader.holders, reader.placed)
+        if strict and (report.missing_keys or report.unexpected_keys):
+            raise KeyError(
+                f"Loading {str(source)!r} into {_class_name(module)} with `strict=True`: missing keys"
+                f" {report.missing_keys}, unexpected keys {report.unexpected_keys}. HINT: pass `strict=False` to"
+                " load the weights that match and keep the initial values of the rest (the names are reported as a"
+                " warning)."
+            )
+        return report, load_names
+
+    report, load_names = together(comm, f"Checking the weights of {str(source)!r}", check)
     chosen = {name: state[name] for name in load_names}
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     together(comm, f"Reading the weights of {str(source)!r}",
@@ -149,6 +164,23 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         super().__init__(str(files[0].parent))
         self.fs = _Listing(self.fs, files)
         self._progress = progress
+        self.placed: set[str] = set()  # the files whose header places their chunks (DCP_SHARDING_INFO)
+        self.holders: dict[str, dict[str, torch.dtype]] = defaultdict(dict)  # tensor -> file -> stored dtype
+
+    def read_metadata(self) -> Metadata:
+        from safetensors import safe_open
+
+        # torch's reader trusts the sharding info; check it first, so a bad one is an error naming the file.
+        for name in self.fs.ls(self.path):
+            with safe_open(name, framework="pt") as file:
+                header = file.metadata()
+                slices = {key: file.get_slice(key) for key in file.keys()}
+                hf_checks.check_sharding_info(name, header, {key: s.get_shape() for key, s in slices.items()})
+                for key, piece in slices.items():
+                    self.holders[key][name] = _stored_dtype(name, key, piece.get_dtype())
+            if header and header.get(hf_checks.SHARDING_INFO_KEY):
+                self.placed.add(name)
+        return super().read_metadata()
 
     def read_data(self, plan: Any, planner: Any) -> Future:
         from safetensors import safe_open
@@ -163,12 +195,22 @@ class _SafetensorsReader(HuggingFaceStorageReader):
             with safe_open(info.relative_path, framework="pt") as file:
                 piece = file.get_slice(item.storage_index.fqn)[region]
             target = planner.resolve_tensor(item).detach()
+            if target.shape != piece.shape:  # copy_ would broadcast a smaller piece silently
+                raise RuntimeError(f"internal error: {item.storage_index.fqn!r} read {list(piece.shape)} from"
+                                   f" {info.relative_path!r} for a slice of {list(target.shape)}")
             target.copy_(piece)  # converts the dtype too: a bf16 file into fp32 parameters, or back
             planner.commit_tensor(item, target)
             del piece
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _stored_dtype(file: str, tensor: str, name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise TypeError(f"{file!r} stores {tensor!r} as {name}, a dtype torch cannot load. Allowed:"
+                        f" {', '.join(_DTYPES)}. HINT: convert the file with the library that wrote it.")
+    return _DTYPES[name]
 
 
 class _Listing:
@@ -186,18 +228,8 @@ class _Listing:
 
 
 def _match(state: dict[str, Any], metadata: Metadata, tied: list[set[str]]) -> tuple[LoadReport, list[str]]:
-    """Compare the model's names and shapes with the files'; return the report and the names to read."""
+    """Compare the model's names with the files'; return the report and the names to read."""
     stored = metadata.state_dict_metadata
-    shapes = {name: tuple(getattr(value, "shape", ())) for name, value in state.items()}
-    mismatched = [
-        f"{name}: file {tuple(stored[name].size)}, model {shapes[name]}"
-        for name in state if name in stored and tuple(stored[name].size) != shapes[name]
-    ]
-    if mismatched:
-        raise ValueError(
-            f"these weights have another shape in the files than in the model: {mismatched}. HINT: build the model"
-            " from the config saved with the weights (`AutoConfig.from_pretrained(path)`)."
-        )
     group_of = {name: group for group in tied for name in group}
     loaded = [name for name in state if name in stored]
     covered = set(loaded) | {other for name in loaded for other in group_of.get(name, ())}
