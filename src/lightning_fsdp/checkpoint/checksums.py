@@ -53,6 +53,7 @@ from torch.futures import Future
 from lightning_fsdp.checkpoint.agreement import CheckpointError
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME
 from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.tree import TreeLimitError
 from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
 
 __all__ = [
@@ -708,7 +709,7 @@ class LoadVerifier:
         path = Path(path)
         with open(path, "rb", buffering=0) as file, zipfile.ZipFile(file) as archive:
             records = _records(archive, path)
-            mapped = _mapped_storages(archive, file, records, contents) if records else {}
+            mapped = _mapped_storages(archive, file, records, contents, repr(str(path))) if records else {}
         return cls(path, records, mapped)
 
     @classmethod
@@ -745,7 +746,7 @@ class LoadVerifier:
 
 
 def _mapped_storages(archive: zipfile.ZipFile, file: IO[bytes], records: list[_Record],
-                     contents: Any) -> dict[str, torch.UntypedStorage]:
+                     contents: Any, what: str) -> dict[str, torch.UntypedStorage]:
     """The storage ``torch.load(mmap=True)`` made of each tensor record that ``contents`` still reaches, found
     through the file's index. Only storages that provably are their record's bytes count: with ``mmap=True``
     every storage sits in one mapping of the whole file, at its record's offset, so every storage's address minus
@@ -753,7 +754,7 @@ def _mapped_storages(archive: zipfile.ZipFile, file: IO[bytes], records: list[_R
     by_key = {r.key: r for r in records}
     prefix = records[0].info.filename.partition("/")[0] if records else ""
     try:
-        paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"))
+        paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"), what=what)
     except (zipfile.BadZipFile, KeyError):
         return {}
     found: dict[str, tuple[torch.UntypedStorage, int]] = {}
@@ -787,7 +788,7 @@ def _record_name(archive: zipfile.ZipFile, record: str) -> str:
     prefix = archive.namelist()[0].partition("/")[0]
     try:
         paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"))  # zipfile checks data.pkl's own CRC
-    except (zipfile.BadZipFile, KeyError):
+    except (zipfile.BadZipFile, KeyError, TreeLimitError):  # only names the record: the error says why elsewhere
         paths = {}
     key = record.removeprefix("data/")
     return (f"the tensor {'.'.join(map(str, paths[key]))!r} (record {record!r})" if key in paths
