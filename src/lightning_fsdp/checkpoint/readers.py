@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader
+from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader, check_files
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.memory import return_freed_memory
 from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
@@ -133,6 +133,8 @@ class _ShardedCheckpoint(Checkpoint):
         self.path = path
         self._allow_pickle = allow_pickle
         self._reader = _CachedReader(path, allow_pickle=allow_pickle)
+        with _reading(path):
+            check_files(path)  # every file belongs to the save, before `.metadata` or `meta.pt` is relied on
         with _reading(path / ".metadata"):
             stored = self._reader.read_metadata()
         self.world_size = len({int(m.group(1)) for m in map(_DCP_FILE.fullmatch, os.listdir(path)) if m})
