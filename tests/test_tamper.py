@@ -1,14 +1,15 @@
 """A verified checkpoint is the checkpoint that was saved (issue 21, part A; see ``workers/tamper.py``): one
 two-rank launch, plus single-process checks of the walks and the allow-list unpickler."""
 
+import contextlib
 import pathlib
 import pickle
+import signal
 
 import pytest
 import torch
 
 from launch import case_tests
-from lightning_fsdp.checkpoint import tree
 from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_dcp_metadata, tensor_record_paths
 
 CASES = [
@@ -21,6 +22,23 @@ CASES = [
 results, test_case = case_tests("tamper.py", 2, CASES)
 
 
+@contextlib.contextmanager
+def _no_hang(seconds=60):
+    """Turns the old code's endless walk (2**60 nodes) into a failure; the new one takes milliseconds. Not a timing
+    assertion: the bound only stops a hang."""
+
+    def hang(*_):
+        raise TimeoutError("the walk did not finish: it follows every path of the shared list")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _dag(levels):
     shared = [0]
     for _ in range(levels):
@@ -29,6 +47,8 @@ def _dag(levels):
 
 
 def test_walks_visit_shared_containers_once_and_keep_them_shared():
+    from lightning_fsdp.checkpoint import tree
+
     dag = _dag(60)
     copy = tree.map_leaves({"a": dag, "b": (dag, torch.zeros(1))}, lambda leaf, path: leaf, what="x")
     assert copy["a"] is copy["b"][0] and copy["a"][0] is copy["a"][1]
@@ -40,6 +60,8 @@ def test_walks_visit_shared_containers_once_and_keep_them_shared():
 
 
 def test_walks_stop_at_the_depth_bound_naming_the_data():
+    from lightning_fsdp.checkpoint import tree
+
     deep = []
     for _ in range(tree.MAX_DEPTH + 5):
         deep = [deep]
@@ -53,24 +75,15 @@ def test_index_walk_of_a_dag_file_finishes(tmp_path):
 
     with zipfile.ZipFile(tmp_path / "dag.pt") as archive:
         index = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
-    assert tensor_record_paths(index) == {"0": ("model", "w")}
+    with _no_hang():
+        assert tensor_record_paths(index) == {"0": ("model", "w")}
 
 
 def test_full_writer_writes_shared_state_once(tmp_path):
-    import signal
-
     from lightning_fsdp.checkpoint.full_writer import write_streaming
 
-    def hang(*_):
-        raise TimeoutError("the full writer's walk did not finish: it follows every path of the DAG")
-
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(60)  # turns the old code's endless walk into a failure; the new one takes milliseconds
-    try:
+    with _no_hang():
         write_streaming(tmp_path / "dag.pt", {"model": {"w": torch.ones(3)}, "history": _dag(60)}, lambda t: t)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     loaded = torch.load(tmp_path / "dag.pt", weights_only=True)
     assert loaded["history"][0] is loaded["history"][1] and torch.equal(loaded["model"]["w"], torch.ones(3))
     assert (tmp_path / "dag.pt").stat().st_size < 10_000
