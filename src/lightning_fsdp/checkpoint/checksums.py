@@ -7,9 +7,14 @@ Neither DCP nor ``torch.load`` checks what it reads. Design:
   reads only the items it needs (any of them after a resize), and verifies each one as it reads it.
   :class:`ChecksumWriter` records them as DCP writes: each rank hashes every item's bytes as they pass through the
   file's write stream (:class:`_DigestingFileSystem`), so nothing is read back, and DCP's own gather brings them to
-  the coordinator, which writes ``checksums.json`` before ``.metadata``, so both are committed
-  together. The save id goes into DCP's ``.metadata`` too (``storage_meta.save_id``); the seed ties every digest to
+  the coordinator, which writes ``checksums.json`` after ``.metadata`` (the staging directory is committed as a
+  whole). The save id goes into DCP's ``.metadata`` too (``storage_meta.save_id``); the seed ties every digest to
   it, so a shard file or a ``checksums.json`` copied in from another checkpoint does not verify.
+- **Every file bound to its save** (manifest format 2): ``checksums.json`` also records a seeded digest of all the
+  bytes of ``.metadata`` (which decides where every item's bytes go: a changed chunk offset would load half a
+  tensor into the wrong place) and of ``meta.pt`` (the step, the loop state), both checked before either is used;
+  a shard file that no item lives in, or a ``meta.pt`` the save did not write, is refused. The save id of such a
+  save says so (:data:`BOUND_SAVE_ID_PREFIX`), so a manifest without the binding is refused for it (no downgrade).
 - **Full** (and ``meta.pt``): ``torch.save`` files are zip archives that already carry a CRC-32 per record,
   computed by torch's writer as it writes each record. Only nothing ever checked them: :func:`verify_zip` and
   :func:`verify_loaded` do. The full writer also records a fast digest of each tensor record in one more record,
@@ -51,8 +56,9 @@ import xxhash
 from torch.futures import Future
 
 from lightning_fsdp.checkpoint.agreement import CheckpointError
-from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME
+from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.tree import TreeLimitError
 from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
 
 __all__ = [
@@ -65,11 +71,16 @@ __all__ = [
     "verify_loaded",
     "LoadVerifier",
     "verify_sharded",
+    "check_files",
     "verify_checkpoint",
     "note_unverified",
 ]
 
 SAVE_ID_PREFIX = "lightning-fsdp:"
+# The save ids of checkpoints whose checksums.json also binds every file (format 2). The id is inside `.metadata`,
+# so a checkpoint that says it was saved so cannot pass for an older one without the binding (see `_read_manifest`).
+BOUND_SAVE_ID_PREFIX = SAVE_ID_PREFIX + "bound:"
+MANIFEST_FORMAT = 2
 ZIP_CHECKSUMS_RECORD = "checksums.json"  # the full writer's extra record: {"algorithm": ..., "records": {...}}
 _HINT = " HINT: the checkpoint is damaged; load an earlier one, or save this one again."
 
@@ -80,7 +91,7 @@ class ChecksumError(CheckpointError):
 
 def new_save_id() -> str:
     """An id for one save; every rank must use the same one (broadcast it)."""
-    return SAVE_ID_PREFIX + uuid.uuid4().hex
+    return BOUND_SAVE_ID_PREFIX + uuid.uuid4().hex
 
 
 # --------------------------------------------------------------------------------------------------- algorithms
@@ -297,16 +308,45 @@ class ChecksumWriter(dcp.FileSystemWriter):
                 items.append([info.relative_path, info.offset, info.length, digest, _item_name(result.index)])
                 unpacked.append(replace(result, storage_data=info))
             plain.append(unpacked)
-        manifest = {"format": 1, "algorithm": self._algorithm, "save_id": self._save_id, "items": items}
         try:
+            super().finish(metadata, plain)  # writes `.metadata`, which the manifest binds too
+            # Written last: a staging directory is committed as a whole (`atomic`), so the order only decides what
+            # the manifest can record, and it records `.metadata` and `meta.pt` (written before DCP starts).
+            seed_of, new_hasher = _ALGORITHMS[self._algorithm]
+            files = _file_digests(Path(self.path), lambda: new_hasher(seed_of(self._save_id)))
+            manifest = {"format": MANIFEST_FORMAT, "algorithm": self._algorithm, "save_id": self._save_id,
+                        "items": items, "files": files}
             with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
                 json.dump(manifest, file)
                 file.flush()
                 os.fsync(file.fileno())
-            super().finish(metadata, plain)
         except BaseException as err:
             self._recording.raise_recorded(err)
             raise
+
+
+# The files of a sharded checkpoint that are not shard files, each bound to the save by a digest of all its bytes
+# seeded with the save id: `.metadata` decides where every item's bytes go, `meta.pt` holds the step and the rest.
+_WHOLE_FILES = (DCP_METADATA_FILENAME, METADATA_FILENAME)
+
+
+def _file_digests(path: Path, new_hasher: Callable[[], Any]) -> dict[str, list[int]]:
+    digests = {}
+    for name in _WHOLE_FILES:
+        if (path / name).is_file():
+            digests[name] = _whole_file_digest(path / name, new_hasher)
+    return digests
+
+
+def _whole_file_digest(file: Path, new_hasher: Callable[[], Any]) -> list[int]:
+    """``[size, digest]`` of a file's bytes."""
+    hasher = new_hasher()
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        size = _hash_file_range(fd, 0, os.fstat(fd).st_size, hasher.update)
+    finally:
+        os.close(fd)
+    return [size, hasher.intdigest()]
 
 
 def _item_name(index: Any) -> str:
@@ -326,27 +366,82 @@ class _Manifest:
         return self.new_hasher(self.seed)
 
 
-def _read_manifest(path: Path, metadata: Any) -> Optional[_Manifest]:
-    """The recorded digests, or None for a checkpoint saved without them. Raises when they should be there and are
-    not, or belong to another save."""
-    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None) or ""
+def _read_manifest(path: Path, metadata: Any = None) -> Optional[_Manifest]:
+    """The recorded digests, once every file of the checkpoint is shown to belong to the save that recorded them;
+    None for a checkpoint saved without checksums. Raises, naming the file, when they should be there and are not,
+    or when a file does not belong (changed, or copied in from another checkpoint). ``metadata``: the unpickled
+    ``.metadata`` where the caller has it already."""
+    dcp_metadata = path / DCP_METADATA_FILENAME
+
+    def save_id_of_metadata() -> str:
+        loaded = load_dcp_metadata(dcp_metadata) if metadata is None else metadata
+        return getattr(getattr(loaded, "storage_meta", None), "save_id", None) or ""
+
     file = path / CHECKSUMS_FILENAME
     if not file.is_file():
-        if save_id.startswith(SAVE_ID_PREFIX):
+        if save_id_of_metadata().startswith(SAVE_ID_PREFIX):
             raise ChecksumError(f"{str(file)!r} is missing, though {str(path)!r} was saved with checksums.{_HINT}")
         return None
     try:
         manifest = json.loads(file.read_text())
-        recorded_id, items = manifest["save_id"], manifest["items"]
+        save_id, items = manifest["save_id"], manifest["items"]
         algorithm = manifest.get("algorithm", "crc32")
         table = {(f, o): (n, c, name) for f, o, n, c, name in items}
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        files = manifest.get("files")
+        files = None if files is None else {str(k): (int(v[0]), int(v[1])) for k, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
         raise ChecksumError(f"{str(file)!r} is not readable ({err}).{_HINT}") from err
-    if recorded_id != save_id:
-        raise ChecksumError(f"{str(file)!r} belongs to another save than {str(path / DCP_METADATA_FILENAME)!r}"
-                            f" (their save ids differ), e.g. it was copied in from another checkpoint.{_HINT}")
     new_hasher = _hasher_factory(algorithm, str(file))
-    return _Manifest(table, new_hasher, _ALGORITHMS[algorithm][0](save_id))
+    seed = _ALGORITHMS[algorithm][0](str(save_id))
+    if files is not None:
+        _check_files(path, files, {f for f, _ in table}, lambda: new_hasher(seed), save_id_of_metadata, save_id)
+    elif str(save_id).startswith(BOUND_SAVE_ID_PREFIX):
+        # A save that bound its files, with a manifest that does not: stripping the binding is refused, or every
+        # file but the shards could be swapped unseen.
+        raise ChecksumError(f"{str(file)!r} does not record the digests of the checkpoint's files, though it was"
+                            f" saved with them (it was edited, or replaced by an older manifest).{_HINT}")
+    if save_id_of_metadata() != save_id:
+        raise _other_save(path)
+    return _Manifest(table, new_hasher, seed)
+
+
+def _other_save(path: Path) -> ChecksumError:
+    return ChecksumError(f"{str(path / CHECKSUMS_FILENAME)!r} and {str(path / DCP_METADATA_FILENAME)!r} belong to"
+                         " different saves (their save ids differ): one of them was copied in from another"
+                         f" checkpoint.{_HINT}")
+
+
+def _check_files(path: Path, files: dict[str, tuple[int, int]], shard_files: set[str],
+                 new_hasher: Callable[[], Any], save_id_of_metadata: Callable[[], str], save_id: str) -> None:
+    """Every file of a sharded checkpoint belongs to the save ``files`` (the manifest's) was recorded for: each of
+    ``.metadata`` and ``meta.pt`` has the digest recorded for it, or is absent where none was; and every shard file
+    in the directory is one the save's items live in."""
+    for name in _WHOLE_FILES:
+        where = path / name
+        if name not in files:
+            if where.exists():
+                raise ChecksumError(f"{str(where)!r} is not part of the checkpoint: its save wrote no {name}, so it"
+                                    " was put there later (e.g. copied in from another checkpoint). HINT: move it"
+                                    " out of the checkpoint directory.")
+            continue
+        if not where.is_file():
+            raise ChecksumError(f"{str(where)!r} is missing, though the checkpoint was saved with it.{_HINT}")
+        if tuple(_whole_file_digest(where, new_hasher)) != files[name]:
+            if name == DCP_METADATA_FILENAME and save_id_of_metadata() != save_id:
+                raise _other_save(path)
+            raise ChecksumError(f"{str(where)!r} does not match the checksum recorded when the checkpoint was saved"
+                                f" (damaged, or copied in from another checkpoint).{_HINT}")
+    for entry in sorted(os.listdir(path)):
+        if entry.endswith(".distcp") and entry not in shard_files:
+            raise ChecksumError(f"{str(path / entry)!r} is not part of the checkpoint: its save wrote no such shard"
+                                " file (e.g. it was copied in from a checkpoint saved on more ranks). HINT: move it"
+                                " out of the checkpoint directory.")
+
+
+def check_files(path: Union[str, Path]) -> bool:
+    """Check that every file of the sharded checkpoint ``path`` belongs to the save that recorded its checksums,
+    without reading any shard (see :func:`_read_manifest`); False when it carries no checksums."""
+    return _read_manifest(Path(path)) is not None
 
 
 class _ItemCheck:
@@ -546,10 +641,8 @@ def verify_sharded(path: Union[str, Path]) -> bool:
     """Check every item of a sharded checkpoint and its ``meta.pt`` without loading them into a model; False when
     the checkpoint carries no checksums (saved before checksums existed)."""
     path = Path(path)
+    manifest = _read_manifest(path)  # first: checks that .metadata is the save's before anything relies on it
     metadata = load_dcp_metadata(path / DCP_METADATA_FILENAME)
-    manifest = _read_manifest(path, metadata)
-    from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
-
     if (path / METADATA_FILENAME).is_file():
         verify_zip(path / METADATA_FILENAME)
     if manifest is None:
@@ -708,7 +801,7 @@ class LoadVerifier:
         path = Path(path)
         with open(path, "rb", buffering=0) as file, zipfile.ZipFile(file) as archive:
             records = _records(archive, path)
-            mapped = _mapped_storages(archive, file, records, contents) if records else {}
+            mapped = _mapped_storages(archive, file, records, contents, repr(str(path))) if records else {}
         return cls(path, records, mapped)
 
     @classmethod
@@ -745,7 +838,7 @@ class LoadVerifier:
 
 
 def _mapped_storages(archive: zipfile.ZipFile, file: IO[bytes], records: list[_Record],
-                     contents: Any) -> dict[str, torch.UntypedStorage]:
+                     contents: Any, what: str) -> dict[str, torch.UntypedStorage]:
     """The storage ``torch.load(mmap=True)`` made of each tensor record that ``contents`` still reaches, found
     through the file's index. Only storages that provably are their record's bytes count: with ``mmap=True``
     every storage sits in one mapping of the whole file, at its record's offset, so every storage's address minus
@@ -753,7 +846,7 @@ def _mapped_storages(archive: zipfile.ZipFile, file: IO[bytes], records: list[_R
     by_key = {r.key: r for r in records}
     prefix = records[0].info.filename.partition("/")[0] if records else ""
     try:
-        paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"))
+        paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"), what=what)
     except (zipfile.BadZipFile, KeyError):
         return {}
     found: dict[str, tuple[torch.UntypedStorage, int]] = {}
@@ -787,7 +880,7 @@ def _record_name(archive: zipfile.ZipFile, record: str) -> str:
     prefix = archive.namelist()[0].partition("/")[0]
     try:
         paths = tensor_record_paths(archive.read(f"{prefix}/data.pkl"))  # zipfile checks data.pkl's own CRC
-    except (zipfile.BadZipFile, KeyError):
+    except (zipfile.BadZipFile, KeyError, TreeLimitError):  # only names the record: the error says why elsewhere
         paths = {}
     key = record.removeprefix("data/")
     return (f"the tensor {'.'.join(map(str, paths[key]))!r} (record {record!r})" if key in paths

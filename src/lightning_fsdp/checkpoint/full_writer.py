@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from lightning_fsdp._compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
 from lightning_fsdp.checkpoint.checksums import ZIP_CHECKSUMS_RECORD, RecordDigests
 from lightning_fsdp.checkpoint.memory import TrimAfter
+from lightning_fsdp.checkpoint.tree import map_leaves
 from lightning_fsdp.checkpoint.write_errors import WriteRecorder, first_explaining, raise_explained
 
 __all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
@@ -191,21 +192,20 @@ class _Pickler(pickle.Pickler):
 
 
 def _skeletonize(obj: Any) -> tuple[Any, list[Tensor]]:
+    """The skeleton of ``obj`` and its tensors in the order their records are written. A container that ``obj``
+    holds twice is walked once and stays shared in the skeleton, so the pickle stores it once, as torch.save does
+    (see :mod:`.tree`)."""
     tensors: list[Tensor] = []
 
-    def walk(value: Any, where: str) -> Any:
-        if isinstance(value, Tensor):
-            _check_writable(value, where)
-            tensors.append(value)
-            shape = tuple(value.shape)
-            return _TensorStub(_StorageRef(len(tensors) - 1, value.dtype, _numel(shape)), shape)
-        if isinstance(value, dict):  # an OrderedDict is written as a plain dict
-            return {k: walk(v, f"{where}[{k!r}]") for k, v in value.items()}
-        if type(value) in (list, tuple):
-            return type(value)(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
-        return value
+    def stub(value: Any, path: tuple) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        _check_writable(value, "state" + "".join(f"[{step!r}]" for step in path))
+        tensors.append(value)
+        shape = tuple(value.shape)
+        return _TensorStub(_StorageRef(len(tensors) - 1, value.dtype, _numel(shape)), shape)
 
-    return walk(obj, "state"), tensors
+    return map_leaves(obj, stub, what="the checkpoint state"), tensors
 
 
 def _check_writable(value: Tensor, where: str) -> None:

@@ -141,6 +141,10 @@ def _load_sharded(
     meta_file = source / METADATA_FILENAME
 
     def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+        # Every file must belong to this save before any is used (`.metadata` decides where bytes go, `meta.pt`
+        # holds the step); then meta.pt's own zip records are checked.
+        if not checksums.check_files(source) and comm.global_rank == 0:
+            checksums.note_unverified(source)
         if meta_file.is_file():
             checksums.verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}

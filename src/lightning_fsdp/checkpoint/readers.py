@@ -31,10 +31,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader
+from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader, check_files
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.memory import return_freed_memory
 from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
+from lightning_fsdp.checkpoint.tree import MAX_DEPTH, TreeLimitError, leaves, map_leaves
 
 __all__ = ["UsageError", "TensorEntry", "Checkpoint", "open_checkpoint", "READ_BATCH_BYTES"]
 
@@ -132,6 +133,8 @@ class _ShardedCheckpoint(Checkpoint):
         self.path = path
         self._allow_pickle = allow_pickle
         self._reader = _CachedReader(path, allow_pickle=allow_pickle)
+        with _reading(path):
+            check_files(path)  # every file belongs to the save, before `.metadata` or `meta.pt` is relied on
         with _reading(path / ".metadata"):
             stored = self._reader.read_metadata()
         self.world_size = len({int(m.group(1)) for m in map(_DCP_FILE.fullmatch, os.listdir(path)) if m})
@@ -142,13 +145,14 @@ class _ShardedCheckpoint(Checkpoint):
         names = [n for n in key_paths if n in kinds] + [n for n in kinds if n not in key_paths]
         objects = self._read_objects([n for n in names if not isinstance(kinds[n], TensorStorageMetadata)])
         tree: dict[str, Any] = {}
-        for name in names:
-            key_path = tuple(key_paths[name]) if name in key_paths else _path_from_flat_name(name)
-            kind = kinds[name]
-            if isinstance(kind, TensorStorageMetadata):
-                _insert(tree, key_path, TensorEntry(key_path, tuple(kind.size), kind.properties.dtype))
-            else:
-                _insert(tree, key_path, objects[name])
+        with _reading(path / ".metadata"):
+            for name in names:
+                key_path = tuple(key_paths[name]) if name in key_paths else _path_from_flat_name(name)
+                kind = kinds[name]
+                if isinstance(kind, TensorStorageMetadata):
+                    _insert(tree, key_path, TensorEntry(key_path, tuple(kind.size), kind.properties.dtype))
+                else:
+                    _insert(tree, key_path, objects[name])
         self.tree = _lists_from_int_keys(tree)
         meta_file = path / METADATA_FILENAME
         self.metadata = _load_file(meta_file, allow_pickle) if meta_file.is_file() else {}
@@ -201,7 +205,8 @@ class _FullCheckpoint(Checkpoint):
         self.optimizers = [k for k, v in contents.items() if _is_optimizer(v)]
         self.models = [k for k, v in contents.items() if k not in self.optimizers and _is_model(v)]
         # The tree holds no tensor, so no page of this mapping stays touched; metadata is kept as loaded.
-        self.tree = {k: _entries(contents[k], (k,)) for k in [*self.models, *self.optimizers]}
+        with _reading(path):
+            self.tree = {k: _entries(contents[k], (k,), repr(str(path))) for k in [*self.models, *self.optimizers]}
         self.metadata = {k: v for k, v in contents.items() if k not in self.tree}
 
     def load(self) -> Any:
@@ -279,7 +284,7 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except UsageError:
         raise
-    except (UnsafeCheckpointError, ChecksumError) as err:  # their messages name the file and the fix already
+    except (UnsafeCheckpointError, ChecksumError, TreeLimitError) as err:  # their messages name the file and fix
         raise UsageError(str(err)) from err
     except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
         lines = str(err).strip().splitlines()
@@ -318,6 +323,10 @@ def _path_from_flat_name(name: str) -> tuple[Union[str, int], ...]:
 
 
 def _insert(root: dict, path: tuple, value: Any) -> None:
+    if len(path) > MAX_DEPTH:  # the key paths come from the file; the tree built from them is walked recursively
+        raise TreeLimitError(f"the checkpoint names an entry {len(path)} keys deep ({'.'.join(map(str, path[:8]))}...),"
+                             f" deeper than the {MAX_DEPTH} levels a checkpoint may nest. HINT: a checkpoint save"
+                             " never writes one; the file is damaged or was not written by a save.")
     node = root
     for key in path[:-1]:
         node = node.setdefault(key, {})
@@ -345,34 +354,18 @@ def _restore_parameter_ids(optimizer: Any) -> None:
     optimizer["state"] = {ids.get(k, k): v for k, v in optimizer["state"].items()}
 
 
-def _entries(value: Any, path: tuple) -> Any:
-    """Replace every tensor under ``value`` with its TensorEntry."""
-    if torch.is_tensor(value):
-        return TensorEntry(path, tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return {k: _entries(v, (*path, k)) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_entries(v, (*path, i)) for i, v in enumerate(value))
-    return value
+def _entries(value: Any, path: tuple, what: str) -> Any:
+    """Replace every tensor under ``value`` with its TensorEntry (each shared container once, see :mod:`.tree`)."""
+    return map_leaves(value, lambda leaf, where: TensorEntry((*path, *where), tuple(leaf.shape), leaf.dtype)
+                      if torch.is_tensor(leaf) else leaf, what=what)
 
 
 def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(value, dict):
-        return {k: _map_leaves(v, fn) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_map_leaves(v, fn) for v in value)
-    return fn(value)
+    return map_leaves(value, lambda leaf, _: fn(leaf), what="the checkpoint")
 
 
 def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    elif type(value) in (list, tuple):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
+    return (leaf for _, leaf in leaves(value, what="the checkpoint"))
 
 
 def _get(root: Any, path: tuple) -> Any:

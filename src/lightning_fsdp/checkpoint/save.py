@@ -86,25 +86,23 @@ def _write_sharded(
     path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any], comm: Communicator,
     background: Optional[AsyncSaves],
 ) -> Path:
+    # `meta.pt` goes first, in both modes: the checksums DCP's last step records bind it to the save (`.checksums`).
+    def stage_metadata(staged: Path) -> None:
+        staged.mkdir(parents=True)
+        save_file(metadata, staged / METADATA_FILENAME)
+
     if background is not None:
         background.wait(comm)  # the previous background save first: its error is raised before anything is staged
-
-        def stage_metadata(staged: Path) -> None:
-            staged.mkdir(parents=True)
-            save_file(metadata, staged / METADATA_FILENAME)
-
         target, staged, save_id = _prepare(path, comm, "Preparing the background save of", stage_metadata)
         background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id))
         return target
 
-    target, staged, save_id = _prepare(path, comm, "Creating the staging directory for",
-                                       lambda staged: staged.mkdir(parents=True))
+    target, staged, save_id = _prepare(path, comm, "Creating the staging directory for", stage_metadata)
     writer = ChecksumWriter(staged, save_id=save_id)
 
     def write() -> None:
         dcp.save(tensors, checkpoint_id=staged, storage_writer=writer, planner=_CachedPlans())
         if comm.global_rank == 0:
-            save_file(metadata, staged / METADATA_FILENAME)
             atomic.fsync_tree(staged)
 
     _write_then_commit(write, staged, target, comm)

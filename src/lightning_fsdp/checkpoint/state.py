@@ -11,6 +11,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.at_rest import reshard_all
+from lightning_fsdp.checkpoint.tree import any_leaf
 
 __all__ = ["SplitState", "split_state", "is_stateful", "holds_dtensors"]
 
@@ -45,14 +46,9 @@ def is_stateful(obj: Any) -> bool:
 
 
 def holds_dtensors(value: Any) -> bool:
-    """Whether ``value`` (nested dicts, lists and tuples) holds a sharded tensor anywhere."""
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, dict):
-        return any(holds_dtensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_dtensors(v) for v in value)
-    return False
+    """Whether ``value`` (nested dicts, lists and tuples) holds a sharded tensor anywhere (each shared container
+    looked at once, see :mod:`.tree`)."""
+    return any_leaf(value, lambda leaf: isinstance(leaf, DTensor), what="the checkpoint state")
 
 
 def _check_set_up(models: dict[str, Module]) -> None:

@@ -82,10 +82,10 @@ def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progr
     state = {key: contents[key] for key in checkpoint.tree}
     meter = _Meter(checkpoint.tensors(), progress)
     staged.mkdir(parents=True)
+    save_file(checkpoint.metadata, staged / METADATA_FILENAME)  # first: DCP's last step binds it to the save
     planner = _StreamingSavePlanner(meter)
     with _single_process():
         dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id()), planner=planner, no_dist=True)
-    save_file(checkpoint.metadata, staged / METADATA_FILENAME)
 
 
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):
