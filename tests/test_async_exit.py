@@ -76,3 +76,17 @@ def test_a_last_background_save_that_succeeds_is_complete_and_exits_zero(tmp_pat
     assert FAILED_LINE not in log, log[-4000:]
     assert sorted(p.name for p in where.iterdir()) == ["ckpt"], sorted(where.iterdir())
     _holds_exactly(where / "ckpt", tmp_path / "out" / "saved-2.pt")
+
+
+def test_the_last_background_save_of_a_fit_that_fails_makes_the_exit_status_non_zero(tmp_path):
+    """The Trainer front: the strategy's teardown at the end of ``fit`` waits for the save and raises its error."""
+    where = tmp_path / "checkpoints"
+    run = subprocess.run(torchrun("async_exit_trainer.py", 2), env=worker_env(tmp_path / "out", LFSDP_EXIT_DIR=str(where)),
+                         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0, f"exit status 0 although the last save failed:\n{log[-4000:]}"
+    reports = [line for line in log.splitlines() if "The background save of" in line and "No space left" in line]
+    tails = {r.split("The background save of", 1)[1] for r in reports}
+    assert len(reports) >= 2 and len(tails) == 1, log[-4000:]  # every rank, the same error
+    assert "fit returned" not in log, log[-4000:]
+    assert sorted(p.name for p in where.iterdir()) == ["step=1.ckpt"], sorted(where.iterdir())
