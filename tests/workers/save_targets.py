@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
+from lightning.fabric.wrappers import _unwrap_objects
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from common import full_params, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
@@ -183,8 +184,8 @@ def a_save_through_a_link_replaces_the_link_and_keeps_its_target():
             # The checkpoint the link names, in the format the shape asks for (written by the library directly, so a
             # full save can meet a link to a directory and a sharded one a link to a file).
             if shape != "dangling":
-                save_checkpoint(root / "step-1", {"model": model, "optimizer": opt}, full=shape == "to_a_file",
-                                comm=engine)
+                save_checkpoint(root / "step-1", _unwrap_objects({"model": model, "optimizer": opt}),
+                                full=shape == "to_a_file", comm=engine)
             if shape == "chain":
                 _link(fabric, root / "mid", "step-1")
                 _link(fabric, root / "last", "mid")
@@ -228,7 +229,7 @@ def a_failed_save_through_a_link_leaves_link_and_target_alone():
             model, opt = _setup(fabric)
             train_steps(fabric, model, opt, steps=1)
             old = (full_params(model), tensor_opt_state(opt))
-            save_checkpoint(where / "step-1", {"model": model, "optimizer": opt}, full=kind == "full",
+            save_checkpoint(where / "step-1", _unwrap_objects({"model": model, "optimizer": opt}), full=kind == "full",
                             comm=fabric.strategy._engine)
             _link(fabric, where / "last", "step-1")
             if fabric.global_rank == 0:
