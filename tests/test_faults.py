@@ -22,7 +22,6 @@ CASES = [
     "save_onto_a_full_disk_says_so_and_frees_the_space",
     "a_disk_that_fills_inside_a_record_says_so_in_every_format",
     "a_write_that_fails_on_rank_1_only_names_rank_1",
-    "saving_and_loading_through_a_symlink",
     "a_nan_gradient_on_one_rank_raises_everywhere_for_every_norm_type",
     "make_cli_input",
 ]

@@ -23,6 +23,8 @@ for; a worker blocked on a lock with no timeout reads as idle.
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import platform
 import sys
 import time
@@ -31,7 +33,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["register_exit_handler", "busy_collective_threads", "collective_threads", "EXIT_WAIT_S"]
+__all__ = ["register_exit_handler", "exit_with_status", "busy_collective_threads", "collective_threads", "EXIT_WAIT_S"]
 
 EXIT_WAIT_S = 60.0  # the longest wait at exit for gloo workers that the idle check recognises
 UNVERIFIED_WAIT_S = 2.0  # the longest wait where the idle check could not be verified on this machine
@@ -46,6 +48,7 @@ _FUTEX_COMMAND_MASK = 0x7F
 _our_group: Optional[dist.ProcessGroup] = None  # the default group this library created, destroyed at exit
 _verified = False  # whether idle workers were seen as idle on this machine
 _registered = False
+_exit_status = 0  # set by `exit_with_status` from a handler that runs before this module's
 
 
 def register_exit_handler(created: Optional[dist.ProcessGroup] = None) -> None:
@@ -83,6 +86,31 @@ def _at_exit() -> None:
         # Every group (the default one, the mesh's, the background-save group), while the interpreter is whole:
         # NCCL warns about a group never destroyed.
         dist.destroy_process_group()
+    if _exit_status:
+        _end_process(_exit_status)
+
+
+def exit_with_status(status: int) -> None:
+    """End the process with ``status`` once this module's exit handler is done (called from an atexit handler that
+    runs before it, e.g. when the last background save failed). A script that returned normally exits 0, and Python
+    offers no other way to change that from an atexit handler than to end the process itself. Without this module's
+    handler (no process group), the process ends now."""
+    global _exit_status
+    _exit_status = status
+    if not _registered:
+        _end_process(status)
+
+
+def _end_process(status: int) -> None:
+    # `os._exit` skips what is left of the shutdown (atexit handlers registered before this module's, the
+    # interpreter's finalization): flush what a user would miss first.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(status)
 
 
 def _wait_for_idle_collective_threads(limit_s: float) -> None:

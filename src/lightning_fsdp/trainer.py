@@ -17,7 +17,6 @@ How the Trainer's pieces land on the engine:
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -329,10 +328,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         return averaging.complete_for_callback(loaded, self.model, average, averaged)
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
-        # `ModelCheckpoint(save_top_k=...)` drops old checkpoints; a sharded one is a directory.
+        # `ModelCheckpoint(save_top_k=...)` drops old checkpoints right after the save that supersedes them returns;
+        # a background save is not written yet then, so the removal waits for its commit (see `checkpoint.in_flight`).
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+            self._background_saves.remove(Path(filepath))

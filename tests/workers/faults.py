@@ -368,31 +368,6 @@ def a_write_that_fails_on_rank_1_only_names_rank_1():
     return report
 
 
-@case
-def saving_and_loading_through_a_symlink():
-    """A save through ``last`` -> ``step-1`` replaces step-1 and keeps the link; a load follows the link."""
-    report = {}
-    for kind in ("sharded", "full"):
-        fabric = make_fabric(WORLD, state_dict_type=kind)
-        root = shared_tmpdir(fabric)
-        model, opt = _setup(fabric)
-        fabric.save(root / "step-1", {"model": model, "optimizer": opt})
-        if fabric.global_rank == 0:
-            (root / "last").symlink_to("step-1")
-        fabric.barrier()
-        train_steps(fabric, model, opt, steps=1)
-        start = time.monotonic()
-        fabric.save(root / "last", {"model": model, "optimizer": opt})
-        report[kind] = round(time.monotonic() - start, 2)
-        fabric.barrier()
-        assert (root / "last").is_symlink() and os.readlink(root / "last") == "step-1", "the link was replaced"
-        assert sorted(p.name for p in root.iterdir()) == ["last", "step-1"], sorted(root.iterdir())
-        params, opt_state = full_params(model), tensor_opt_state(opt)
-        _loads_exactly(fabric, root / "last", params, opt_state)
-        _loads_exactly(fabric, root / "step-1", params, opt_state)
-    return report
-
-
 # -------------------------------------------------------------------------------------------------------- gradients
 
 

@@ -8,10 +8,14 @@ one filesystem and is atomic). Only a complete staging copy is moved into place:
   then renames the new one into place, then deletes the backup. A crash between the two renames leaves the old
   checkpoint whole under the backup name, and :func:`recover` puts it back.
 
-A checkpoint path that is a symbolic link (``last`` -> ``step-1000``) stands for what it points to
-(:func:`resolve`): a save replaces the checkpoint the link points to and keeps the link, a load reads it. Renaming
-onto the link itself would replace the link with a directory, and the old checkpoint would stay behind under its
-own name.
+A checkpoint path that is a symbolic link (``last`` -> ``step-1000``) is a name for another checkpoint. A load reads
+what it points to (:func:`resolve`). A save replaces the link itself with the new checkpoint and leaves the
+checkpoint it pointed to as it was: ``step-1000`` keeps holding step 1000, whatever the link named. That is what
+Lightning's ``ModelCheckpoint`` does when it refreshes its ``last`` link (it replaces the link), and writing through
+the link would silently change a checkpoint stored under its own name. It holds for a link to a file, to a
+directory, a dangling link and a chain of links alike: only the last component of the path is replaced, with the
+same two-step move as above (a directory cannot be renamed onto a link in one step), so a crash leaves either the
+old link or the new checkpoint in place.
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ def backup_path(target: Path) -> Path:
 
 
 def check_replaceable(target: Path) -> None:
-    """Refuse to overwrite anything that is not a checkpoint: users keep their files."""
+    """Refuse to overwrite anything that is not a checkpoint: users keep their files. A symbolic link is always
+    replaceable: replacing it deletes nothing it points to."""
+    if target.is_symlink():
+        return
     if target.is_dir():
         if not is_sharded_checkpoint(target):
             raise IsADirectoryError(
@@ -75,31 +82,38 @@ def commit(staged: Path, target: Path) -> None:
     for stale in target.parent.glob(f".{target.name}.*{STAGING_SUFFIX}"):
         if stale != staged:  # left behind by a save that was killed
             _remove(stale)
-    if staged.is_file() and (is_full_checkpoint(target) or not target.exists()):
+    # A rename replaces a link, never what it points to; `_present` sees links, dangling ones included, so every
+    # step below acts on the link itself.
+    if staged.is_file() and (target.is_symlink() or is_full_checkpoint(target) or not _present(target)):
         os.replace(staged, target)
     else:
         backup = backup_path(target)
-        if backup.exists():
+        if _present(backup):
             _remove(backup)
-        if target.exists():
+        if _present(target):
             os.replace(target, backup)
         os.replace(staged, target)
         _fsync_dir(target.parent)
-        if backup.exists():
+        if _present(backup):
             _remove(backup)
     _fsync_dir(target.parent)
 
 
 def recover(target: Path) -> None:
-    """If a previous save died between its two renames, put the old checkpoint back."""
+    """If a previous save died between its two renames, put the old checkpoint (or link) back."""
     backup = backup_path(target)
-    if backup.exists() and not target.exists():
+    if _present(backup) and not _present(target):
         os.replace(backup, target)
 
 
 def discard(staged: Path) -> None:
-    if staged.exists():
+    if _present(staged):
         _remove(staged)
+
+
+def _present(path: Path) -> bool:
+    """Whether anything is at ``path``, a link counting as itself (``Path.exists`` follows links)."""
+    return os.path.lexists(path)
 
 
 def _remove(path: Path) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import atomic
+from lightning_fsdp.checkpoint import atomic, in_flight
 from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint.full_writer import save_file, write_full_checkpoint
@@ -135,10 +135,11 @@ def _prepare(
     ``on_rank_0(staged)`` run on rank 0, all in one agreed step.
 
     Rank 0 names everything, in one broadcast (each collective is a visible share of a background save's call): the
-    target, resolved through a symlink (a save replaces the checkpoint the link points to and keeps the link, see
-    `atomic`), the staging path's token, and the save id that the checksum of every item records (`.checksums`).
+    target, the path as given (a symbolic link there is replaced by the new checkpoint, and what it pointed to is
+    left alone, see `atomic`), the staging path's token, and the save id that the checksum of every item records
+    (`.checksums`).
     """
-    named = (str(atomic.resolve(Path(path))), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
+    named = (str(Path(path)), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
     resolved, token, save_id = comm.broadcast(named)
     target = Path(resolved)
     staged = atomic.staging_path(target, token)
@@ -221,8 +222,9 @@ class AsyncSaves:
       save, so saves never overlap.
     - The background collectives run on a gloo group of their own, so they cannot interleave with training's.
     - When the write finishes, rank 0 moves the checkpoint into place from the background thread.
-    - ``wait`` (called by the next save, load and teardown) blocks until then and raises the background error, if
-      any, on every rank: it is never swallowed.
+    - ``wait`` (called by the next save, load and teardown, and at process exit) blocks until then and raises the
+      background error, if any, on every rank: it is never swallowed (see `.in_flight`).
+    - ``remove`` removes a checkpoint only once the save in flight is committed (see `.in_flight`).
     """
 
     def __init__(self) -> None:
@@ -233,6 +235,7 @@ class AsyncSaves:
         self._committed = threading.Event()
         # One stager for every save, so the host copies of the tensors are reused (see `.staging`).
         self._stager = ReusedStaging()
+        self._removals = in_flight.DeferredRemovals()
 
     @property
     def in_flight(self) -> bool:
@@ -253,6 +256,8 @@ class AsyncSaves:
             raise
         self._future, self._target, self._commit_error = future, target, None
         self._committed = threading.Event()
+        self._removals.hold()
+        in_flight.track(self, comm, self._group)
         if comm.global_rank == 0:
             future.add_done_callback(lambda f: self._commit_when_written(f, staged, target))
         else:
@@ -263,12 +268,15 @@ class AsyncSaves:
             failure = future.exception()
             if failure is not None:
                 self._commit_error = failure
+                self._removals.failed()
                 atomic.discard(staged)
                 return
             atomic.fsync_tree(staged)
             atomic.commit(staged, target)
+            self._removals.committed()
         except BaseException as err:  # noqa: BLE001 - surfaced by `wait`
             self._commit_error = err
+            self._removals.failed()
         finally:
             # `Future.result()` can return before the callbacks have run; `wait` waits for this instead.
             self._committed.set()
@@ -278,11 +286,20 @@ class AsyncSaves:
             return
         future, target = self._future, self._target
         self._future = self._target = None
+        in_flight.untrack(self)
 
         def finish() -> None:
             self._committed.wait()
+            removal_error = self._removals.settle()
             if self._commit_error is not None:
                 raise self._commit_error
             future.result()  # raises the background write's error
+            if removal_error is not None:
+                raise removal_error
 
         together(comm, f"The background save of {str(target)!r}", finish)
+
+    def remove(self, path: Path) -> None:
+        """Remove the checkpoint at ``path`` (on rank 0, where it is called), once the save in flight, if any, is
+        committed; never if that save fails."""
+        self._removals.remove(path)
