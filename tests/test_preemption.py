@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import WORKERS, free_port, torchrun, worker_env
+from launch import WORKERS, free_port, worker_env
 
 PG_TIMEOUT_S = "20"
 LAUNCH_LIMIT_S = 240  # a hang fails here, far below pytest's own limits
@@ -128,9 +128,11 @@ def test_torchrun_restarts_after_kills(tmp_path, reference):
     # Attempt 0: rank 1 SIGKILLed at the start of step 6 (5 steps done, the last save at 4). Attempt 1: resumed from
     # 4, rank 0 SIGKILLed inside its DCP write of the save after step 8. Attempt 2: resumed from 4, finishes.
     env = _env(work, LFSDP_PRE_EVENTS="0:kill:1:5;1:kill_in_save:0:8")
-    cmd = torchrun("preempt_train.py", 2)
-    cmd.insert(cmd.index("-m") + 2, "--max-restarts=2")
-    cmd.insert(cmd.index("-m") + 2, "--monitor-interval=0.2")
+    # `--standalone` (c10d rendezvous on a free port): each restart rendezvouses in a fresh round. With the static
+    # `--master_addr/--master_port` rendezvous, torch reuses the first attempt's store, and the restarted ranks'
+    # gloo connects to the dead ranks' stale addresses ("connectFullMesh failed ... Connection refused").
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+           "--monitor-interval=0.2", str(WORKERS / "preempt_train.py")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S * 2)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]

@@ -185,6 +185,7 @@ def _global_rank() -> int:
 
 
 def _as_signal(value: SignalInput) -> int:
+    given = value
     if isinstance(value, str):
         name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
         found = getattr(signal.Signals, name, None)
@@ -196,12 +197,12 @@ def _as_signal(value: SignalInput) -> int:
         value = found
     if isinstance(value, int) and value in (int(signal.SIGKILL), int(signal.SIGSTOP)):
         raise ValueError(
-            f"`Preemption(signals=[..., {value!r}])`: SIGKILL and SIGSTOP cannot be caught. HINT: for lost ranks, resume"
+            f"`Preemption(signals=[..., {given!r}])`: SIGKILL and SIGSTOP cannot be caught. HINT: for lost ranks, resume"
             " from the newest checkpoint instead (`fabric.load('<dir>/latest', state)`)."
         )
     try:
         return int(signal.Signals(int(value)))
     except (ValueError, TypeError):
         raise ValueError(
-            f"`Preemption(signals=[..., {value!r}])` is not a signal. HINT: use names like 'SIGTERM' or signal numbers."
+            f"`Preemption(signals=[..., {given!r}])` is not a signal. HINT: use names like 'SIGTERM' or signal numbers."
         ) from None

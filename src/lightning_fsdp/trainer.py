@@ -331,6 +331,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints; a sharded one is a directory.
         if self.is_global_zero:
+            # `ModelCheckpoint` deletes the previous checkpoint right after starting the next save, which with
+            # `async_save=True` is still being written: delete only once it is committed, and not if it failed.
+            if not self._background_saves.wait_for_commit():
+                return  # its error is raised on every rank at the next save, load or teardown
             path = Path(filepath)
             if path.is_dir():
                 shutil.rmtree(path)
