@@ -78,7 +78,8 @@ class PreemptionCallback(Callback):
             return
         path = self._target(trainer)
         trainer.save_checkpoint(path)
-        trainer.strategy.wait_for_saves() if hasattr(trainer.strategy, "wait_for_saves") else None
+        if hasattr(trainer.strategy, "wait_for_saves"):  # this project's strategy: a background save is committed
+            trainer.strategy.wait_for_saves()
         if self._preemption.action == "requeue" and trainer.is_global_zero:
             requeue_slurm_job()
         trainer.strategy.barrier()
