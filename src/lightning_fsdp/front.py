@@ -33,6 +33,7 @@ class FrontMixin:
 
     _engine: FSDPEngine
     _launcher_class: type
+    _background_saves: Any  # `checkpoint.AsyncSaves`
 
     @property
     def config(self) -> FSDPConfig:
@@ -83,6 +84,16 @@ class FrontMixin:
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
                 " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
             )
+
+    @property
+    def communicator(self) -> FSDPEngine:
+        """The collectives that saves and loads agree through (see :mod:`lightning_fsdp.checkpoint.agreement`)."""
+        return self._engine
+
+    def wait_for_saves(self) -> None:
+        """Block until a background save (``async_save=True``) is committed, raising its error on every rank; call
+        it on every rank. An emergency save must be on disk before the process exits."""
+        self._background_saves.wait(self._engine)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._engine.barrier()

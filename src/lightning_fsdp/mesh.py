@@ -61,8 +61,27 @@ def init_process_group(
     if device.type == "cuda":
         # Binding the group to the device lets NCCL connect eagerly and avoids a device guess per collective.
         kwargs["device_id"] = device
+    store = _restart_store(cluster, timeout)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
     register_exit_handler(created=dist.group.WORLD)
+
+
+def _restart_store(cluster: ClusterInfo, timeout: Optional[timedelta]) -> Optional[dist.Store]:
+    """Under ``torchrun --max-restarts``, a store of this attempt's own, or None to let torch make the usual one.
+
+    torchrun's agent hosts the store and keeps it across restarts, so a restarted group would find the first
+    attempt's keys there: gloo then connects to the addresses of the dead workers and fails ("connectFullMesh failed
+    ... Connection refused"). A prefix per restart gives every attempt fresh keys in the same store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    agent_store = dist.TCPStore(cluster.main_address, cluster.main_port, cluster.world_size(), is_master=False,
+                                **kwargs)
+    return dist.PrefixStore(f"lightning_fsdp/attempt-{attempt}", agent_store)
 
 
 def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_nodes: int) -> DeviceMesh:

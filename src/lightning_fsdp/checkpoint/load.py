@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
+from lightning_fsdp.checkpoint.latest import resolve_latest
 from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.lightning_layouts import (
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -58,6 +59,7 @@ def load_checkpoint(
     others as a ``CollectiveFailure``, like everywhere else.
     """
     with comm.guard(f"loading the checkpoint {str(path)!r}"):
+        path = resolve_latest(path, comm)  # `<dir>/latest`: the newest good step checkpoint there
         return _load(path, state, strict, weights_only, comm)
 
 

@@ -1,0 +1,97 @@
+"""A directory of step checkpoints for a Fabric training loop: save every K steps, resume from the newest good one,
+keep the last N.
+
+This is the "other half" of atomic, verified saves: a job that is preempted or loses a rank restarts, calls
+:meth:`StepCheckpoints.resume`, and loses at most the steps since the last save::
+
+    checkpoints = StepCheckpoints(fabric, "checkpoints", keep_last=3)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    checkpoints.resume(state)                 # None on a fresh start; else the path it loaded
+    for step in range(state["step"], total_steps):
+        ...
+        state["step"] = step + 1
+        if state["step"] % 100 == 0:
+            checkpoints.save(state)           # step-00000100, ...; old ones pruned after the commit
+
+It is a thin layer over ``fabric.save`` / ``fabric.load``: the finding lives in :mod:`.checkpoint.latest`, the
+pruning in :mod:`.checkpoint.retention`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_fsdp.checkpoint.agreement import together
+from lightning_fsdp.checkpoint.latest import newest_good_checkpoint
+from lightning_fsdp.checkpoint.retention import check_retention, prune
+
+__all__ = ["StepCheckpoints"]
+
+
+class StepCheckpoints:
+    """Step checkpoints of one training run in ``directory``, named ``name.format(step=...)``.
+
+    Args:
+        fabric: the ``Fabric`` whose strategy saves and loads.
+        directory: where the checkpoints go; created by the first save.
+        keep_last: keep only this many newest checkpoints (None: keep all). Older ones are deleted after the next
+            one is committed, never before (with ``async_save=True`` too), and the newest is never deleted.
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        name: the name pattern; it must end in ``{step}`` (formatted), which is how checkpoints are ordered.
+        step_key: the entry of ``state`` that holds the step count, read by :meth:`save` when no step is passed.
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        directory: Union[str, Path],
+        *,
+        keep_last: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        name: str = "step-{step:08d}",
+        step_key: str = "step",
+    ) -> None:
+        check_retention(keep_last, keep_every)
+        try:
+            formatted = name.format(step=12)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"`StepCheckpoints(name={name!r})` cannot be formatted with a step ({err}). HINT: use a"
+                             " pattern like 'step-{step:08d}'.") from None
+        if not formatted.rstrip("0123456789") or not formatted.endswith("12"):
+            raise ValueError(f"`StepCheckpoints(name={name!r})` must end in the step number (it gives {formatted!r} for"
+                             " step 12), which orders the checkpoints. HINT: use a pattern like 'step-{step:08d}'.")
+        self.fabric = fabric
+        self.directory = Path(directory)
+        self.keep_last, self.keep_every, self.name, self.step_key = keep_last, keep_every, name, step_key
+
+    def path(self, step: int) -> Path:
+        return self.directory / self.name.format(step=step)
+
+    def save(self, state: dict[str, Any], step: Optional[int] = None) -> Path:
+        """Save ``state`` as the checkpoint of ``step`` (default ``state[step_key]``), then delete the committed
+        checkpoints that retention no longer keeps. Call it on every rank."""
+        step = int(state[self.step_key]) if step is None else int(step)
+        path = self.path(step)
+        self.fabric.save(path, state)
+        if self.keep_last is not None:
+            comm = self.fabric.strategy.communicator
+            # Rank 0 deletes; the outcome is agreed, so a failed delete raises on every rank. A background save of
+            # `path` is not committed yet and not counted (see `checkpoint.retention`).
+            together(comm, f"Deleting old checkpoints in {str(self.directory)!r}",
+                     lambda: prune(self.directory, self.keep_last, self.keep_every) if comm.global_rank == 0 else None)
+        return path
+
+    def latest(self) -> Optional[Path]:
+        """The newest checkpoint that passes verification, the same on every rank (None if there is none)."""
+        found = newest_good_checkpoint(self.directory) if self.fabric.global_rank == 0 else None
+        found = self.fabric.broadcast(None if found is None else str(found))
+        return None if found is None else Path(found)
+
+    def resume(self, state: dict[str, Any], strict: bool = True) -> Optional[Path]:
+        """Load the newest good checkpoint into ``state`` (in place) and return its path; None, and ``state``
+        untouched, when the directory holds none (a fresh start)."""
+        found = self.latest()
+        if found is not None:
+            self.fabric.load(found, state, strict=strict)
+        return found

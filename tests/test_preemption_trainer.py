@@ -1,0 +1,100 @@
+"""Preemption with the Trainer: a simulated SLURM job and ``fit(ckpt_path="last")`` (issue 20).
+
+The SLURM job is 2 processes started as srun starts them (``SLURM_*`` variables, no torchrun), with a fake
+``scontrol`` on ``PATH`` that records its arguments. SIGUSR1 reaches both ranks mid-fit (SLURM signals every task
+of the step): the hpc checkpoint must be written once, in this project's sharded format, the requeue called once,
+and the next launch of the same job must resume from it on its own and end with the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import WORKERS, free_port, torchrun, worker_env
+from test_preemption import LAUNCH_LIMIT_S, PG_TIMEOUT_S, _wait, assert_same_weights
+
+SIGUSR1_EXIT = 138  # 128 + SIGUSR1
+JOB_ID = "4242"
+
+
+def _fake_scontrol(bin_dir: Path, record: Path) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+
+
+def srun(root: Path, **extra: str) -> tuple[list[int], str]:
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = worker_env(root / "out", LFSDP_PRE_ROOT=str(root), LFSDP_TEST_PG_TIMEOUT=PG_TIMEOUT_S, **extra)
+        for name in [k for k in env if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+                     or k.startswith("TORCHELASTIC") or k.startswith("SLURM_")]:
+            del env[name]
+        env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+                   SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
+                   SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PATH=f"{root / 'bin'}{os.pathsep}{env['PATH']}")
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "preempt_trainer.py")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return _wait(procs)
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trainer_reference")
+    _fake_scontrol(root / "bin", root / "scontrol.log")
+    codes, log = srun(root)
+    assert codes == [0, 0], log[-4000:]
+    return root / "final.pt"
+
+
+def test_slurm_sigusr1_saves_requeues_and_resumes(tmp_path, trainer_reference):
+    from lightning_fsdp.checkpoint.checksums import verify_checkpoint
+
+    root = tmp_path
+    record = root / "scontrol.log"
+    _fake_scontrol(root / "bin", record)
+    # Global step 3 is the last step of epoch 1 (2 steps per epoch): the save after it is at an epoch boundary.
+    codes, log = srun(root, LFSDP_PRE_SIGNAL="SIGUSR1:0+1:3")
+    assert codes == [SIGUSR1_EXIT, SIGUSR1_EXIT], log[-4000:]
+    saved = sorted(p.name for p in root.iterdir() if "hpc_ckpt" in p.name)
+    assert saved == ["hpc_ckpt_1.ckpt"], saved
+    assert (root / "hpc_ckpt_1.ckpt").is_dir() and verify_checkpoint(root / "hpc_ckpt_1.ckpt")
+    assert record.read_text().splitlines() == [f"requeue {JOB_ID}"]
+    assert not (root / "final.pt").exists()
+
+    codes, log = srun(root)  # the requeued job: same script, no ckpt_path
+    assert codes == [0, 0], log[-4000:]
+    result = json.loads((root / "result.json").read_text())
+    assert result == {"started_at": 4, "global_step": 10}, result
+    assert record.read_text().splitlines() == [f"requeue {JOB_ID}"]  # still once
+    assert_same_weights(root / "final.pt", trainer_reference)
+
+
+def test_sigterm_to_one_rank_then_fit_ckpt_path_last(tmp_path, trainer_reference):
+    root = tmp_path
+    env = worker_env(root / "out", LFSDP_PRE_ROOT=str(root), LFSDP_TEST_PG_TIMEOUT=PG_TIMEOUT_S,
+                     LFSDP_PRE_SIGNAL="SIGTERM:1:5")
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(torchrun("preempt_trainer.py", 2), env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_LIMIT_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 143" in log, log[-4000:]  # torchrun reports each rank's status
+    assert (root / "checkpoints" / "last.ckpt").is_dir(), log[-4000:]
+    env["LFSDP_PRE_SIGNAL"], env["LFSDP_PRE_RESUME"] = "", "last"
+    proc = subprocess.run(torchrun("preempt_trainer.py", 2), env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_LIMIT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((root / "result.json").read_text())
+    assert result == {"started_at": 6, "global_step": 10}, result
+    assert_same_weights(root / "final.pt", trainer_reference)

@@ -1,0 +1,123 @@
+"""Resume from the newest good checkpoint, and retention, on 2 ranks (one launch, many cases)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from common import full_params, loss_fn, make_fabric
+from harness import case, run_cases
+from lightning_fsdp.step_checkpoints import StepCheckpoints
+from models import TinyTransformer, make_batch
+
+FABRIC = make_fabric(2)
+ASYNC_FABRIC = make_fabric(2, async_save=True)
+
+
+def _shared_dir(fabric, name: str) -> Path:
+    root = Path(os.environ["LFSDP_TEST_OUT"]) / name
+    fabric.barrier()
+    return root
+
+
+def _trained(fabric, seed: int):
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    for step in range(seed):
+        fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@case
+def latest_skips_corrupted_and_half_written_newest():
+    root = _shared_dir(FABRIC, "latest")
+    model, opt = _trained(FABRIC, 2)
+    FABRIC.save(root / "step-00000002", {"model": model, "optimizer": opt, "step": 2})
+    expected = full_params(model)
+    model4, opt4 = _trained(FABRIC, 4)
+    FABRIC.save(root / "step-00000004", {"model": model4, "optimizer": opt4, "step": 4})
+    model6, opt6 = _trained(FABRIC, 6)
+    FABRIC.save(root / "step-00000006", {"model": model6, "optimizer": opt6, "step": 6})
+    if FABRIC.global_rank == 0:
+        # step 6: a save killed before its commit leaves only a hidden staging copy
+        (root / "step-00000006").rename(root / ".step-00000006.0123456789ab.staging")
+        shard = root / "step-00000004" / "__1_0.distcp"  # step 4: committed, then damaged on disk
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    FABRIC.barrier()
+    model, opt = _trained(FABRIC, 0)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FABRIC.load(root / "latest", state)
+    assert state["step"] == 2, state["step"]
+    got = full_params(model)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    named = [str(w.message) for w in caught if "step-00000004" in str(w.message)]
+    if FABRIC.global_rank == 0:  # rank 0 checks and warns; the others load what it found
+        assert named and "fails verification" in named[0], [str(w.message) for w in caught]
+    return state["step"]
+
+
+@case
+def latest_in_an_empty_directory_is_an_error_on_every_rank():
+    root = _shared_dir(FABRIC, "empty")
+    model, opt = _trained(FABRIC, 0)
+    try:
+        FABRIC.load(root / "latest", {"model": model, "optimizer": opt})
+    except FileNotFoundError as err:
+        assert "No complete checkpoint to resume from" in str(err) and "HINT" in str(err), str(err)
+    else:
+        raise AssertionError("no error")
+    assert StepCheckpoints(FABRIC, root).resume({"model": model, "optimizer": opt}) is None
+
+
+@case
+def retention_deletes_only_after_the_newer_commit():
+    """keep_last=1 with background saves: while a newer save is in flight, the committed one stays."""
+    root = _shared_dir(ASYNC_FABRIC, "retention")
+    model, opt = _trained(ASYNC_FABRIC, 1)
+    checkpoints = StepCheckpoints(ASYNC_FABRIC, root, keep_last=1)
+    state = {"model": model, "optimizer": opt, "step": 1}
+    checkpoints.save(state)
+    ASYNC_FABRIC.strategy.wait_for_saves()
+    # Hold the next background write until we have looked: DCP's write of rank 0's shard waits on this event.
+    from lightning_fsdp.checkpoint.checksums import ChecksumWriter
+
+    release = threading.Event()
+    original = ChecksumWriter.write_data
+
+    def held(self, plan, planner):
+        release.wait(60)
+        return original(self, plan, planner)
+
+    ChecksumWriter.write_data = held
+    try:
+        state["step"] = 2
+        checkpoints.save(state)  # returns with step 2 in flight; retention has run
+        in_flight = sorted(p.name for p in root.iterdir())
+        release.set()
+    finally:
+        ChecksumWriter.write_data = original
+    ASYNC_FABRIC.strategy.wait_for_saves()
+    assert "step-00000001" in in_flight and "step-00000002" not in in_flight, in_flight
+    state["step"] = 3
+    checkpoints.save(state)
+    ASYNC_FABRIC.strategy.wait_for_saves()
+    ASYNC_FABRIC.barrier()
+    after = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+    assert after == ["step-00000002", "step-00000003"], after  # 1 deleted once 2 was committed; 3 just committed
+    return {"in_flight": in_flight, "after": after}
+
+
+if __name__ == "__main__":
+    run_cases()

@@ -1,0 +1,74 @@
+"""``ModelCheckpoint(save_top_k=1)`` with ``async_save=True`` deletes the previous checkpoint only after the new one is
+committed. Each background write is held for a moment, so a deletion that did not wait would be seen."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import loss_fn
+from harness import TIMEOUT, case, run_cases
+from lightning_fsdp.checkpoint.checksums import ChecksumWriter
+from lightning_fsdp.checkpoint.layout import is_sharded_checkpoint
+from lightning_fsdp.trainer import FSDPStrategy
+from models import TinyTransformer
+
+
+class Lit(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyTransformer()
+
+    def training_step(self, batch, batch_idx):
+        return loss_fn(self.model, batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randint(0, 32, (8, 9))), batch_size=2)
+
+
+class Look(Callback):
+    """At each step's end, before that step's ModelCheckpoint: the committed checkpoints on disk."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.strategy.barrier()
+        self.seen.append(sorted(p.name for p in self.directory.glob("*.ckpt") if is_sharded_checkpoint(p)))
+
+
+@case
+def save_top_k_waits_for_the_commit():
+    original = ChecksumWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(0.5)  # in DCP's background thread: the commit comes half a second later
+        return original(self, plan, planner)
+
+    ChecksumWriter.write_data = slow
+    directory = Path(os.environ["LFSDP_TEST_OUT"]) / "ckpts"
+    look = Look(directory)
+    checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=1, every_n_train_steps=1, monitor=None)
+    trainer = Trainer(accelerator="cpu", devices=2, max_steps=4, strategy=FSDPStrategy(state_dict_type="sharded",
+                      async_save=True, timeout=TIMEOUT), callbacks=[checkpoint, look], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Lit())
+    ChecksumWriter.write_data = original
+    # Lightning runs checkpoint callbacks last, so `seen[i]` is the disk after step i-1's ModelCheckpoint: from the
+    # second save on, which deletes the first, a committed checkpoint must always be there.
+    assert len(look.seen) == 4 and all(look.seen[2:]), look.seen
+    return look.seen
+
+
+if __name__ == "__main__":
+    run_cases()
