@@ -35,6 +35,7 @@ from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.memory import return_freed_memory
 from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
+from lightning_fsdp.checkpoint.torch_versions import NewerTorchFormatError
 
 __all__ = ["UsageError", "TensorEntry", "Checkpoint", "open_checkpoint", "READ_BATCH_BYTES"]
 
@@ -279,7 +280,7 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except UsageError:
         raise
-    except (UnsafeCheckpointError, ChecksumError) as err:  # their messages name the file and the fix already
+    except (UnsafeCheckpointError, ChecksumError, NewerTorchFormatError) as err:  # their messages name the file and fix
         raise UsageError(str(err)) from err
     except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
         lines = str(err).strip().splitlines()
