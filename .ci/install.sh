@@ -5,6 +5,11 @@
 #
 # Environment variables:
 #   PYTHON          interpreter used to create .venv (default: python3)
+#   VENV            where the environment lives (default: <repo>/.venv, the pinned one the README's commands use)
+#   CONSTRAINTS     the exact versions to install (default: .ci/constraints.txt, the pinned set); `.ci/run` also
+#                   installs .ci/constraints-newest-torch.txt and .ci/constraints-oldest-lightning.txt, each in a venv
+#                   of its own
+#   FRESH=1         delete VENV first and install from scratch (what `.ci/run` does for the extra venvs)
 #   TORCH_PIP_ARGS  extra pip arguments for the torch install only. On a CPU-only machine without a local CPU wheel,
 #                   use TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu": PyPI's Linux wheel of
 #                   torch is the multi-GB CUDA build.
@@ -14,9 +19,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PYTHON="${PYTHON:-python3}"
-VENV="$ROOT/.venv"
+VENV="${VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
-CONSTRAINTS="$ROOT/.ci/constraints.txt"
+CONSTRAINTS="${CONSTRAINTS:-$ROOT/.ci/constraints.txt}"
+# Every version is pinned exactly by $CONSTRAINTS. A machine-wide pip constraint (some machines cap torch at the
+# releases they keep on disk) would refuse the newest torch that the CI matrix tests, so it is lifted here.
+export PIP_CONSTRAINT=/dev/null
+
+if [[ "${FRESH:-0}" == 1 && -e "$VENV" ]]; then
+    echo "[install] FRESH=1: removing $VENV"
+    rm -rf "$VENV"
+fi
 TORCH_VERSION="$(sed -n 's/^torch==\([^[:space:]]*\).*/\1/p' "$CONSTRAINTS")"
 STAMP="$VENV/.lightning-fsdp-installed"
 
@@ -49,7 +62,7 @@ echo "[install] torch==$TORCH_VERSION"
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is meant to be word-split
 pip_install ${TORCH_PIP_ARGS:-} "torch==$TORCH_VERSION"
 
-echo "[install] lightning-fsdp (editable) with the test and docs extras, constrained by .ci/constraints.txt"
+echo "[install] lightning-fsdp (editable) with the test and docs extras, constrained by ${CONSTRAINTS#"$ROOT"/}"
 pip_install -c "$CONSTRAINTS" -e ".[test,docs]"
 
 "$PY" -c "import torch, lightning, lightning_fsdp as lf; print(f'[install] ok: torch {torch.__version__},' \

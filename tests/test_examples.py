@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fsdp._compat import WeightAveraging
+
 EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
 
 
@@ -16,7 +18,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
     [
         ("logging_metrics_generation.py", "step 5: probe loss"),
         ("ema_teacher.py", "saved student, teacher and optimizer"),
-        ("trainer_weight_averaging.py", "validation loss of the averaged weights"),
+        pytest.param("trainer_weight_averaging.py", "validation loss of the averaged weights",
+                     marks=pytest.mark.skipif(WeightAveraging is None, reason="WeightAveraging needs Lightning 2.6")),
     ],
 )
 def test_pattern_example_runs(script, expected, tmp_path):

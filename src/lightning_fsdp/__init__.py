@@ -5,12 +5,13 @@ strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp.registry`
 """
 
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.fabric_load import fabric_load
 from lightning_fsdp.precision import FSDPPrecision
 from lightning_fsdp.pretrained import LoadReport, load_pretrained
 
 __version__ = "0.1.0"
 
-__all__ = ["FSDPConfig", "ShardingStrategy", "FSDPPrecision", "load_pretrained", "LoadReport", "__version__"]
+__all__ = ["FSDPConfig", "ShardingStrategy", "FSDPPrecision", "load_pretrained", "LoadReport", "fabric_load", "__version__"]
 
 
 def _register() -> None:

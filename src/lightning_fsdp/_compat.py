@@ -1,7 +1,26 @@
-"""The names this package needs that torch and Lightning do not export publicly.
+"""The names this package needs that torch and Lightning do not export publicly, and every difference between the
+torch and Lightning releases it supports (torch 2.13 to 2.15, Lightning 2.5 to 2.6).
 
-Keep every such import here, so an upgrade that moves one breaks exactly one file.
+Keep every such import, private attribute name and version gate here, so an upgrade that moves one breaks exactly
+one file. (Two families stay where they are used: ``nn.Module``'s ``_parameters``/``_buffers`` dicts, which torch
+documents for module authors and every torch release keeps, and Lightning's own strategy hooks that our fronts
+override as subclasses.)
 """
+
+import inspect
+
+import torch
+from lightning.fabric.strategies.strategy import Strategy as _FabricStrategy
+from lightning.fabric import Fabric as _Fabric
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
+from lightning.fabric.strategies.strategy import _Sharded as Sharded
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as TrainerSubprocessScriptLauncher,
+)
+from lightning_utilities.core.imports import compare_version
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # torch has no public alias for these
     CheckpointImpl,
@@ -61,8 +80,112 @@ def planner_tools():
     return FakeStore, FakeTensorMode, FSDPMemTracker, (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
 
 
+# --- Version differences -----------------------------------------------------------------------------------------
+
+# Lightning 2.6 added the `WeightAveraging` callback (and `EMAWeightAveraging`). On 2.5 no user can construct one, so
+# the averaging support in `averaging.py` has nothing to find; it must only not fail to import.
+try:
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # Lightning < 2.6
+    WeightAveraging = None
+
+# Lightning 2.6's `Fabric.setup` passes the scheduler to `Strategy.setup_module_and_optimizers` and unpacks three
+# values (module, optimizers, scheduler); 2.5 passes two arguments and unpacks two. Read off the base class, not the
+# version number, so a patch release that backports either form still works.
+FABRIC_SETUP_TAKES_SCHEDULER = "scheduler" in inspect.signature(_FabricStrategy.setup_module_and_optimizers).parameters
+
+# Lightning 2.6's `Fabric.load` has `weights_only` (the opt-in to full unpickling); 2.5's does not, so there the
+# opt-in is reached through the strategy (`fabric_load.py`; see `weights_only_hint`).
+FABRIC_LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(_Fabric.load).parameters
+
+
+def weights_only_hint() -> str:
+    """The call that opts a Fabric load into full unpickling, on the installed Lightning."""
+    if FABRIC_LOAD_TAKES_WEIGHTS_ONLY:
+        return "`fabric.load(path, state, weights_only=False)`"
+    return ("`lightning_fsdp.fabric_load(fabric, path, state, weights_only=False)` (the `fabric.load` of Lightning"
+            f" {lightning_version()} has no `weights_only`; Lightning 2.6's has)")
+
+
+def lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
+
+
+def lightning_at_least(version: str) -> bool:
+    return compare_version("lightning", lambda have, want: have >= want, version)
+
+
+# --- Private attributes and functions used by name ---------------------------------------------------------------
+
+# `torch.amp.GradScaler`'s kernel: unscale a list of gradients in place and flag any inf/NaN (FSDPPrecision runs it
+# on the local shards of DTensor gradients, which the public scaler cannot take).
+amp_unscale_and_check_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+# What a DCP `.metadata` pickle names to rebuild a layout: `torch.serialization._get_layout`.
+get_layout = torch.serialization._get_layout
+
+# The globals a `torch.save` index (data.pkl) names to rebuild a tensor from its storage record.
+TORCH_SAVE_REBUILD_TENSOR = (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"))
+
+# DCP's `FileSystemReader` asks its private `_slice_file(file, storage_info)` for a readable view of one item's bytes;
+# `checkpoint/checksums.py` overrides it to verify every item as DCP reads it.
+DCP_READER_ITEM_VIEW = "_slice_file"
+
+
+def checkpoint_wrapped_module(module):
+    """The module inside torch's ``CheckpointWrapper`` (its private ``_checkpoint_wrapped_module``), or ``module``
+    itself when it is not wrapped."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def averaged_model(callback):
+    """The ``AveragedModel`` a Lightning ``WeightAveraging`` callback keeps (its private ``_average_model``; created in
+    the callback's ``setup``), or None."""
+    return getattr(callback, "_average_model", None)
+
+
+# Lightning's two accelerator connectors refuse the FSDP strategy names off CUDA in this private method (see
+# `registry.py`, which wraps it).
+CONNECTOR_STRATEGY_CHECK = "_check_strategy_and_fallback"
+
+
+def _check_names() -> None:
+    """Fail at import, in this file, when a torch or Lightning release drops a private name used only by name."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for owner, name in ((FileSystemReader, DCP_READER_ITEM_VIEW), (FabricConnector, CONNECTOR_STRATEGY_CHECK),
+                        (TrainerConnector, CONNECTOR_STRATEGY_CHECK)):
+        if not hasattr(owner, name):
+            raise ImportError(
+                f"lightning-fsdp needs `{owner.__qualname__}.{name}`, which torch {torch.__version__} / Lightning"
+                f" {lightning_version()} does not have. Supported: torch 2.13 to 2.15, Lightning 2.5 to 2.6."
+            )
+
+
+_check_names()
+
+
 __all__ = [
     "planner_tools",
+    "FabricSubprocessScriptLauncher",
+    "TrainerSubprocessScriptLauncher",
+    "BackwardSyncControl",
+    "Sharded",
+    "WeightAveraging",
+    "FABRIC_SETUP_TAKES_SCHEDULER",
+    "FABRIC_LOAD_TAKES_WEIGHTS_ONLY",
+    "weights_only_hint",
+    "lightning_version",
+    "lightning_at_least",
+    "amp_unscale_and_check_",
+    "get_layout",
+    "TORCH_SAVE_REBUILD_TENSOR",
+    "DCP_READER_ITEM_VIEW",
+    "checkpoint_wrapped_module",
+    "averaged_model",
+    "CONNECTOR_STRATEGY_CHECK",
     "CheckpointImpl",
     "CheckpointWrapper",
     "checkpoint_wrapper",

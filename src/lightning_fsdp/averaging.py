@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import WeightAveraging
 from torch.nn import Module
 
+from lightning_fsdp._compat import WeightAveraging, averaged_model
 from lightning_fsdp.checkpoint.save import sharded_model_state
 
 __all__ = [
@@ -41,11 +41,16 @@ CURRENT_MODEL_KEY = "current_model_state"
 UNSHARDED_COPY_WARNING = ".*WeightAveraging doesn't support sharding model layers.*"
 
 
+def _is_averaging(callback: Any) -> bool:
+    # Lightning 2.5 has no `WeightAveraging` (it came in 2.6), so no callback there can be one.
+    return WeightAveraging is not None and isinstance(callback, WeightAveraging)
+
+
 def averaged_modules(trainer: Trainer) -> list[Module]:
     """The LightningModule copies inside the trainer's weight-averaging callbacks (created when fit begins)."""
     found = []
     for callback in trainer.callbacks:
-        average = getattr(callback, "_average_model", None) if isinstance(callback, WeightAveraging) else None
+        average = averaged_model(callback) if _is_averaging(callback) else None
         if average is not None:
             found.append(average.module)
     return found
@@ -56,7 +61,7 @@ def refuse_copying_a_sharded_model(trainer: Trainer, model: Optional[Module], sh
     cannot copy a model that is already sharded (an earlier ``fit``, ``validate``, ``test`` or ``predict`` on this
     Trainer sharded it). Say so, and how to order the calls, instead of FSDP's bare "does not support deepcopy"."""
     fitting = trainer.state.fn is not None and trainer.state.fn.value == "fit"
-    has_averaging = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
+    has_averaging = any(_is_averaging(c) for c in trainer.callbacks)
     if fitting and has_averaging and model is not None and model is sharded:
         raise RuntimeError(
             "A WeightAveraging callback copies the model when `fit` begins, but this model was already sharded by an"

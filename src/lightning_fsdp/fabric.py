@@ -16,9 +16,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -28,6 +26,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import checkpoint
+from lightning_fsdp._compat import FABRIC_SETUP_TAKES_SCHEDULER
+from lightning_fsdp._compat import BackwardSyncControl as _BackwardSyncControl
+from lightning_fsdp._compat import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_fsdp._compat import Sharded as _Sharded
 from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
 from lightning_fsdp.engine import FSDPEngine
 from lightning_fsdp.front import FrontMixin, config_arguments
@@ -169,8 +171,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
 
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
-        return self._setup(module, optimizers), optimizers, scheduler
+    ) -> tuple:
+        module = self._setup(module, optimizers)
+        # Lightning 2.5's `Fabric.setup` unpacks (module, optimizers); 2.6 also passes and unpacks the scheduler.
+        return (module, optimizers, scheduler) if FABRIC_SETUP_TAKES_SCHEDULER else (module, optimizers)
 
     def setup_module(self, module: Module) -> Module:
         return self._setup(module, [])

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp._compat import DtypeContextManager, convert_fp_tensor
+from lightning_fsdp._compat import DtypeContextManager, amp_unscale_and_check_, convert_fp_tensor
 from lightning_fsdp.errors import bad_argument
 from lightning_fsdp.failures import explain_collective_failure
 
@@ -81,7 +81,7 @@ class DTensorGradScaler(torch.amp.GradScaler):
             total = torch.zeros_like(found_inf)
             for (device, _), tensors in grads.items():
                 found = torch.zeros_like(found_inf, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
+                amp_unscale_and_check_(tensors, found, inv_scale.to(device))
                 total += found.to(total.device)
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(total, op=dist.ReduceOp.MAX)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_fsdp._compat import CONNECTOR_STRATEGY_CHECK
+
 STRATEGY_NAMES = {
     "fsdp": ("Fully Sharded Data Parallel on FSDP2 (lightning-fsdp)", {}),
     "fsdp_cpu_offload": ("FSDP2 with parameters, gradients and optimizer state offloaded to CPU (lightning-fsdp)",
@@ -34,7 +36,7 @@ def register_into(registry: Any, strategy_cls: type) -> None:
 
 def accept_names_on_every_accelerator(connector_cls: type, registry: Any) -> None:
     """Make ``connector_cls`` build a registered name of this package's strategy before its GPU-only FSDP check."""
-    original = connector_cls._check_strategy_and_fallback
+    original = getattr(connector_cls, CONNECTOR_STRATEGY_CHECK)
     if getattr(original, _PATCHED, False):
         return
 
@@ -47,7 +49,7 @@ def accept_names_on_every_accelerator(connector_cls: type, registry: Any) -> Non
 
     setattr(check_strategy_and_fallback, _PATCHED, True)
     check_strategy_and_fallback.__wrapped__ = original  # type: ignore[attr-defined]
-    connector_cls._check_strategy_and_fallback = check_strategy_and_fallback
+    setattr(connector_cls, CONNECTOR_STRATEGY_CHECK, check_strategy_and_fallback)
 
 
 def _is_ours(registry: Any, name: str) -> bool:

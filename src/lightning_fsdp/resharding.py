@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from lightning_fsdp._compat import checkpoint_wrapped_module
 from lightning_fsdp.errors import bad_argument
 
 __all__ = ["ReshardChoice", "ReshardPlan", "parse_reshard_after_forward", "check_divides"]
@@ -154,7 +155,7 @@ def _parse_key(key: Any, shown: Any) -> Union[str, type]:
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     # A block wrapped for activation checkpointing is matched by the block's own class.
-    return getattr(module, "_checkpoint_wrapped_module", module)
+    return checkpoint_wrapped_module(module)
 
 
 def _matches(key: Union[str, type], name: str, module: nn.Module, is_root: bool) -> bool:

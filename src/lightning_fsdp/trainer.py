@@ -33,7 +33,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -45,6 +44,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import averaging, checkpoint
+from lightning_fsdp._compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
 from lightning_fsdp.checkpoint.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -275,7 +275,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         state = sharded_optimizer_state(self.model, optimizer)
         # A full checkpoint keys parameters by position, as `optimizer.state_dict()` does, so any Trainer strategy
         # (DDP included) resumes from it; a sharded one keeps the names DCP needs to reshard.

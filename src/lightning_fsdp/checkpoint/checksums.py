@@ -55,8 +55,10 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.futures import Future
 
+from lightning_fsdp._compat import DCP_READER_ITEM_VIEW
 from lightning_fsdp.checkpoint.agreement import CheckpointError
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
+from lightning_fsdp.checkpoint.torch_versions import MANIFEST_KEY
 from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
 from lightning_fsdp.checkpoint.tree import TreeLimitError
 from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
@@ -315,7 +317,8 @@ class ChecksumWriter(dcp.FileSystemWriter):
             seed_of, new_hasher = _ALGORITHMS[self._algorithm]
             files = _file_digests(Path(self.path), lambda: new_hasher(seed_of(self._save_id)))
             manifest = {"format": MANIFEST_FORMAT, "algorithm": self._algorithm, "save_id": self._save_id,
-                        "items": items, "files": files}
+                        "items": items, "files": files,
+                        MANIFEST_KEY: torch.__version__}  # names the writer if a later, older torch cannot read it
             with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
                 json.dump(manifest, file)
                 file.flush()
@@ -619,11 +622,12 @@ class VerifyingReader(SafeFileSystemReader):
             self._fds.clear()
         return future
 
-    # DCP's reader asks this for a readable view of one item's bytes (torch 2.13's `_slice_file`).
-    def _slice_file(self, file: IO[bytes], sinfo: Any) -> IO[bytes]:
+    # DCP's reader asks for a readable view of one item's bytes through a private method; `_compat` names it, and
+    # the line after this class installs this method under that name.
+    def _item_view(self, file: IO[bytes], sinfo: Any) -> IO[bytes]:
         self._finish_pending()  # DCP asks for the next item only when done with the previous one
         if self._manifest is None:
-            return super()._slice_file(file, sinfo)
+            return getattr(super(), DCP_READER_ITEM_VIEW)(file, sinfo)
         check = _ItemCheck(Path(self.path), sinfo, self._manifest)
         fd = self._fds.get(sinfo.relative_path)
         if fd is None:
@@ -635,6 +639,9 @@ class VerifyingReader(SafeFileSystemReader):
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.finish()
+
+
+setattr(VerifyingReader, DCP_READER_ITEM_VIEW, VerifyingReader._item_view)
 
 
 def verify_sharded(path: Union[str, Path]) -> bool:

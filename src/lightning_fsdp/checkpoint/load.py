@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp._compat import weights_only_hint
 from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
@@ -290,7 +291,7 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
                 raise RuntimeError(
                     f"The entry {read_item.dest_index.fqn!r} holds objects that only full unpickling can restore, and"
                     " unpickling can run arbitrary code. HINT: if you trust this checkpoint, pass"
-                    " `weights_only=False`, e.g. `fabric.load(path, state, weights_only=False)`."
+                    f" `weights_only=False`, e.g. {weights_only_hint()}."
                 ) from err
             value = io.BytesIO(payload)
         super().load_bytes(read_item, value)
@@ -381,6 +382,6 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
             raise RuntimeError(
                 f"{str(path)!r} holds objects that only full unpickling can restore, and unpickling can run arbitrary"
                 " code. HINT: if you trust this file, pass `weights_only=False`, e.g."
-                " `fabric.load(path, state, weights_only=False)`."
+                f" {weights_only_hint()}."
             ) from err
         raise RuntimeError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err

@@ -36,6 +36,7 @@ from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoi
 from lightning_fsdp.checkpoint.memory import return_freed_memory
 from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
 from lightning_fsdp.checkpoint.tree import MAX_DEPTH, TreeLimitError, leaves, map_leaves
+from lightning_fsdp.checkpoint.torch_versions import NewerTorchFormatError
 
 __all__ = ["UsageError", "TensorEntry", "Checkpoint", "open_checkpoint", "READ_BATCH_BYTES"]
 
@@ -284,7 +285,8 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except UsageError:
         raise
-    except (UnsafeCheckpointError, ChecksumError, TreeLimitError) as err:  # their messages name the file and fix
+    # Their messages name the file and the fix.
+    except (UnsafeCheckpointError, ChecksumError, TreeLimitError, NewerTorchFormatError) as err:
         raise UsageError(str(err)) from err
     except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
         lines = str(err).strip().splitlines()

@@ -24,7 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
-from lightning_fsdp._compat import DCPStorageInfo
+from lightning_fsdp._compat import TORCH_SAVE_REBUILD_TENSOR, DCPStorageInfo, get_layout, weights_only_hint
+from lightning_fsdp.checkpoint.torch_versions import explain_unreadable_metadata
 from lightning_fsdp.checkpoint.tree import map_leaves
 
 __all__ = [
@@ -37,8 +38,8 @@ __all__ = [
     "tensor_record_paths",
 ]
 
-HINT = (" HINT: if you trust this checkpoint, allow full unpickling explicitly: `fabric.load(path, state,"
-        " weights_only=False)` (command line: `--allow-pickle`).")
+HINT = (f" HINT: if you trust this checkpoint, allow full unpickling explicitly: {weights_only_hint()} (command"
+        " line: `--allow-pickle`).")
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -57,7 +58,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             allowed[("torch", name)] = value
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("torch.serialization", "_get_layout")] = get_layout
     import collections
     import pathlib
 
@@ -160,10 +161,17 @@ class _AllowListUnpickler(pickle._Unpickler):
 
 def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False) -> Any:
     """Unpickle DCP's ``.metadata`` at ``path`` with the allow-list (plain pickle only with ``allow_pickle``)."""
+    unpickler, args = (pickle.Unpickler, ()) if allow_pickle else (_AllowListUnpickler, (repr(str(path)),))
     with open(path, "rb") as file:
-        if allow_pickle:
-            return pickle.load(file)
-        return _AllowListUnpickler(file, repr(str(path))).load()
+        try:
+            return unpickler(file, *args).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception:
+            # A newer torch's format fails inside torch's own classes ("too many values to unpack"): name the torch
+            # that wrote the file and the one needed, instead (raises if that is the cause).
+            explain_unreadable_metadata(Path(path), unpickler, *args)
+            raise
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -236,7 +244,7 @@ class _IndexReader(pickle.Unpickler):
     its data record. Every global becomes :class:`_Opaque`, so nothing named in the file is imported or called."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+        if (module, name) in TORCH_SAVE_REBUILD_TENSOR:
             return lambda storage, *args, **kwargs: storage
         if (module, name) == ("collections", "OrderedDict"):
             return dict
