@@ -73,7 +73,8 @@ def test_a_newer_tensor_metadata_names_the_recorded_writer_and_the_needed_torch(
         assert f"torch {torch.__version__}, installed here, cannot read its format" in str(caught.value)
         assert str(path) in str(caught.value)
     # With the version this package records beside every sharded save: named exactly.
-    (path / "checksums.json").write_text(json.dumps({"format": 1, "torch": "9.1.0+cpu", "items": []}))
+    manifest = {"format": 1, "torch": "9.1.0+cpu", "save_id": "other", "items": []}  # the keys every manifest has
+    (path / "checksums.json").write_text(json.dumps(manifest))
     with pytest.raises(UsageError, match=r"was written by torch 9\.1\.0\+cpu, and torch .* cannot read"):
         open_checkpoint(path)
 
