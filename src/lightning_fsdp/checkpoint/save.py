@@ -281,14 +281,6 @@ class AsyncSaves:
             # `Future.result()` can return before the callbacks have run; `wait` waits for this instead.
             self._committed.set()
 
-    def wait_for_commit(self) -> bool:
-        """This rank only, no collective: block until the save in flight (if any) is moved into place or has failed.
-        False when it failed. Rank 0 calls it before deleting an older checkpoint, which must outlive the commit."""
-        if self._future is None:
-            return True
-        self._committed.wait()
-        return self._commit_error is None  # rank 0's callback records a failed write here too
-
     def wait(self, comm: Communicator) -> None:
         if self._future is None:
             return
