@@ -7,33 +7,12 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
 from launch import LAUNCH_TIMEOUT_S, torchrun, worker_env
 
 FAILED_LINE = "lightning_fsdp: OSError: [Errno 28] The background save of"
-
-
-@pytest.fixture()
-def tmpfs(tmp_path):
-    """A tmpfs of the given size at a fresh directory, unmounted afterwards (skipped where mounting is refused)."""
-    mounted = []
-
-    def make(size: str) -> Path:
-        where = tmp_path / f"mnt{len(mounted)}"
-        where.mkdir()
-        run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-        if run.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    yield make
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _run(where: Path, out: Path) -> subprocess.CompletedProcess:

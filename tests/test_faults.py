@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "strict_key_mismatch_raises_on_every_rank_in_both_formats",
@@ -27,44 +27,10 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("faults.py", 2, tmp_path_factory.mktemp("faults"), LFSDP_TEST_PG_TIMEOUT="20")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    details = results.check(name)
-    skipped = [d["skipped"] for d in details if isinstance(d, dict) and "skipped" in d]
-    if skipped:
-        pytest.skip(skipped[0])
+results, test_case = case_tests("faults.py", 2, CASES, LFSDP_TEST_PG_TIMEOUT="20")
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
-
-
-@pytest.fixture()
-def mount(tmp_path):
-    """Mount a tmpfs at a fresh directory; ``mount(size, read_only)`` returns it. Unmounted afterwards."""
-    mounted = []
-
-    def make(size: str, read_only: bool = False) -> Path:
-        where = tmp_path / f"mnt{len(mounted)}"
-        where.mkdir()
-        run = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-        if run.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
-        mounted.append(where)
-        if read_only:
-            run = subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True, text=True)
-            if run.returncode:
-                pytest.skip(f"cannot remount read-only: {run.stderr.strip()}")
-        return where
-
-    yield make
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _digest(path: Path) -> str:
@@ -83,11 +49,11 @@ def _convert(src: Path, dst: Path, to: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("fault", ["read_only", "full_disk"])
 @pytest.mark.parametrize("to", ["full", "sharded"])
-def test_cli_convert_fault_is_one_line_and_leaves_nothing(results, mount, fault, to):
+def test_cli_convert_fault_is_one_line_and_leaves_nothing(results, tmpfs, fault, to):
     results.check("make_cli_input")
     src = results.out / ("cli_src" if to == "full" else "cli_src.pt")
     before = _digest(src)
-    where = mount("8k" if fault == "full_disk" else "1m", read_only=fault == "read_only")
+    where = tmpfs("8k" if fault == "full_disk" else "1m", read_only=fault == "read_only")
     free = os.statvfs(where).f_bavail
     run = _convert(src, where / "out", to)
     lines = run.stderr.strip().splitlines()

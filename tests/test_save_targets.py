@@ -4,9 +4,7 @@ the link, never what it points to (item 14)."""
 
 from __future__ import annotations
 
-import pytest
-
-from launch import launch
+from launch import case_tests
 
 CASES = [
     "top_1_removal_waits_for_the_background_save_that_supersedes_it",
@@ -16,14 +14,4 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("save_targets.py", 2, tmp_path_factory.mktemp("save_targets"), LFSDP_TEST_PG_TIMEOUT="60")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_case(results, name):
-    details = results.check(name)
-    skipped = [d["skipped"] for d in details if isinstance(d, dict) and "skipped" in d]
-    if skipped:
-        pytest.skip(skipped[0])
+results, test_case = case_tests("save_targets.py", 2, CASES, LFSDP_TEST_PG_TIMEOUT="60")
