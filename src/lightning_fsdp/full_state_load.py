@@ -67,7 +67,7 @@ class _ShardFullTensors:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                  *args: Any) -> None:
-        if self.unit is not None:
+        if self.unit is not None and any(not isinstance(p, DTensor) for p in module._parameters.values() if p is not None):
             self.unit.reshard()
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         for name, current in [*module._parameters.items(), *module._buffers.items()]:

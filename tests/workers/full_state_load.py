@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from common import full, make_fabric, shared_tmpdir
 from harness import case, run_cases
+from models import Odd, Remapped
 from trainer_common import make_trainer, strategy
 
 WORLD = 2
@@ -33,23 +34,6 @@ def fabric_for(sharding: str = "FULL_SHARD"):
 
 
 # ------------------------------------------------------------------------------------------------- models
-
-
-class Remapped(nn.Module):
-    """litgpt's LoRALinear pattern: the base checkpoint says ``weight``, the module keeps it as ``linear.weight``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.linear(x)
-
-    def _load_from_state_dict(self, sd, prefix, *args, **kwargs):
-        for n in ("weight", "bias"):
-            if prefix + n in sd:
-                sd[prefix + "linear." + n] = sd.pop(prefix + n)
-        super()._load_from_state_dict(sd, prefix, *args, **kwargs)
 
 
 class Flattened(nn.Module):
@@ -67,20 +51,6 @@ class Flattened(nn.Module):
         if key in sd and sd[key].ndim == 1:
             sd[key] = sd[key].view(7, 3)
         super()._load_from_state_dict(sd, prefix, *args, **kwargs)
-
-
-class Odd(nn.Module):
-    """Shapes that do not divide by 2 ranks: 7x3, a vocabulary of 7, a 1-row weight (one rank's shard is empty)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(7, 5)
-        self.proj = nn.Linear(5, 7)
-        self.narrow = nn.Linear(7, 1)
-        self.register_buffer("scale", torch.tensor(0.5))
-
-    def forward(self, idx):
-        return self.narrow(self.proj(self.embed(idx))) * self.scale
 
 
 def built(factory, seed: int = 0):
