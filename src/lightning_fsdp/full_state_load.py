@@ -138,6 +138,9 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
     dist.broadcast_object_list(box, src=0)
     plan: list[tuple[str, tuple[int, ...], torch.dtype]] = box[0]  # type: ignore[assignment]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # Full checkpoints hold clean names; a `torch.compile`d submodule keeps its parameters under `_orig_mod.`.
+    # (Activation-checkpoint wrappers need nothing here: their own load hook puts their prefix back.)
+    model_key = {_clean(k): k for k in module.state_dict() if _clean(k) != k}
     missing: Optional[list[str]] = None
     unexpected: list[str] = []
     for key, shape, dtype in plan:
@@ -147,7 +150,7 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
         else:
             tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(tensor, src=0)
-        result = module.load_state_dict({key: tensor}, strict=False)
+        result = module.load_state_dict({model_key.get(key, key): tensor}, strict=False)
         del tensor
         still_missing = set(result.missing_keys)
         missing = result.missing_keys if missing is None else [k for k in missing if k in still_missing]
@@ -160,3 +163,7 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
             f" {unexpected}. HINT: pass `strict=False` to load the entries that match and skip the rest."
         )
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _clean(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
