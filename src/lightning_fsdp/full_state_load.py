@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-__all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0"]
+__all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0", "has_own_load_hooks"]
 
 _HOOKED = "_lightning_fsdp_accepts_full_tensors"
 
@@ -163,6 +163,30 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
             f" {unexpected}. HINT: pass `strict=False` to load the entries that match and skip the rest."
         )
     return _IncompatibleKeys(missing, unexpected)
+
+
+def has_own_load_hooks(model: nn.Module) -> bool:
+    """Whether some module of ``model`` changes what its state dict's keys or shapes mean while it loads: a class
+    that overrides ``_load_from_state_dict`` (litgpt's LoRA layers), or a load pre-hook that neither torch nor this
+    package registered. For such a model only the load itself can tell which entries fit, so a checkpoint's names and
+    shapes cannot be compared with ``model.state_dict()``'s beforehand."""
+    for module in model.modules():
+        if not _known(type(module)._load_from_state_dict):
+            return True
+        if not all(_known(getattr(hook, "hook", hook)) for hook in module._load_state_dict_pre_hooks.values()):
+            return True  # (torch wraps a hook registered with its module; `.hook` is the function)
+    return False
+
+
+# Code from these packages loads entries under the names and shapes `state_dict()` gives them (torchmetrics'
+# `Metric` overrides `_load_from_state_dict` only to restore its states; activation-checkpoint wrappers and FSDP
+# register pre-hooks that keep names as they are).
+_KNOWN_ORIGINS = ("torch.", "torchmetrics.", "lightning.", "lightning_fsdp.")
+
+
+def _known(fn: Any) -> bool:
+    origin = getattr(fn, "__module__", None) or type(fn).__module__
+    return origin.startswith(_KNOWN_ORIGINS)
 
 
 def _clean(key: str) -> str:

@@ -306,6 +306,45 @@ def load_of_a_full_checkpoint_with_optimizer():
     return assert_equal_to(model, reference)
 
 
+def saved_by_rank0(fabric, values, name):
+    path = shared_tmpdir(fabric) / name
+    if fabric.global_rank == 0:
+        torch.save(values, path)
+    fabric.barrier()
+    return path
+
+
+@case
+def load_raw_strict_through_hooks_is_judged_as_torch_judges_it():
+    # Renamed entries fill the module, so torch's strict load accepts the file; the names alone would not match.
+    fabric, reference, model = reference_and_sharded(Remapped)
+    base = built(lambda: nn.Linear(4, 4), seed=1).state_dict()
+    reference.load_state_dict(base, strict=True)
+    fabric.load_raw(saved_by_rank0(fabric, base, "base.pth"), model, strict=True)
+    assert_equal_to(model, reference)
+    # One entry short: torch's strict load reports the missing key, here on every rank.
+    del base["bias"]
+    fresh = fabric.setup(built(Remapped))
+    try:
+        fabric.load_raw(saved_by_rank0(fabric, base, "short.pth"), fresh, strict=True)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a strict load of a file without 'bias' passed")
+    assert "linear.bias" in message and "strict=False" in message, message
+    return same_on_every_rank(message.split("HINT")[0])
+
+
+@case
+def load_raw_through_a_reshaping_hook():
+    fabric, reference, model = reference_and_sharded(Flattened)
+    values = other_values(Flattened)
+    values["proj.weight"] = values["proj.weight"].reshape(-1)
+    reference.load_state_dict(values)
+    fabric.load_raw(saved_by_rank0(fabric, values, "flat.pth"), model)
+    return assert_equal_to(model, reference)
+
+
 # ------------------------------------------------------------------------------------------------- Trainer
 
 
