@@ -78,7 +78,7 @@ def _expected(precision: str) -> tuple:
 def every_precision_gets_our_plugin_and_trains_on_the_trainer_front():
     seen = {}
     for precision in PRECISIONS:
-        module = _AutocastProbe()
+        module = _AutocastProbe(build_in_init=True)  # as `before` below: fp32 from seed 0, then cast by the plugin
         trainer = make_trainer(strategy(), max_epochs=1, precision=precision)
         plugin = trainer.strategy.precision_plugin
         assert type(plugin) is FSDPTrainerPrecision and plugin.precision == precision, (type(plugin), plugin.precision)
@@ -90,7 +90,7 @@ def every_precision_gets_our_plugin_and_trains_on_the_trainer_front():
         assert moved > 1e-3 and all(torch.isfinite(v).all() for v in after.values()), (precision, moved)
         assert (module.autocast, after["head.weight"].dtype) == _expected(precision), (precision, module.autocast)
         if precision == "16-mixed":
-            assert type(plugin.scaler) is DTensorGradScaler and plugin.scaler.is_enabled()
+            assert type(plugin.scaler) is DTensorGradScaler and plugin.scaler.is_enabled(), plugin.scaler
         seen[precision] = moved
     return seen
 
@@ -115,7 +115,7 @@ def every_precision_gets_our_plugin_and_trains_on_the_fabric_front():
         assert moved > 1e-3 and all(torch.isfinite(v).all() for v in after.values()), (precision, moved)
         assert (autocast, before["head.weight"].dtype) == _expected(precision), (precision, autocast)
         if precision == "16-mixed":
-            assert type(plugin.scaler) is DTensorGradScaler and plugin.scaler.is_enabled()
+            assert type(plugin.scaler) is DTensorGradScaler and plugin.scaler.is_enabled(), plugin.scaler
         seen[precision] = moved
     return seen
 
