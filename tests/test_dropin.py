@@ -4,7 +4,7 @@ site's FSDP branch does the right thing with them (``lightning_fsdp.dropin``; is
 The single-process tests check what needs no process group: the ``isinstance`` answers, the precision plugin each
 connector picks, the loops' choice of ``no_grad``, and Lightning's compile check. ``workers/dropin.py`` (2 ranks, one
 launch) trains through each site: a compiled module, every precision on both fronts, SWA's refusal, an optimizer on
-meta-device parameters, litgpt's ``load_checkpoint``.
+meta-device parameters, litgpt's ``load_checkpoint`` and weight init.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CASES = [
     "stochastic_weight_averaging_is_refused_with_the_fix",
     "an_optimizer_on_meta_parameters_is_set_up_with_its_model",
     "litgpt_load_checkpoint_loads_a_full_file_into_the_shards",
+    "litgpt_pretrain_init_runs_litgpts_initializers_at_setup",
 ]
 
 results, test_case = case_tests("dropin.py", 2, CASES)

@@ -6,7 +6,8 @@ answer True for our strategies (``lightning_fsdp.dropin``): each site's FSDP bra
 - ``StochasticWeightAveraging`` is refused on every rank, with the fix;
 - ``fabric.setup(model, optimizer)`` with an optimizer on meta-device parameters is accepted, and Fabric's other
   checks of ``setup`` still run;
-- litgpt's ``load_checkpoint`` takes its FSDP branch (``fabric.load_raw``) and loads a full file into the shards.
+- litgpt's ``load_checkpoint`` takes its FSDP branch (``fabric.load_raw``) and loads a full file into the shards, and
+  its ``pretrain.initialize_weights`` leaves initialization to setup, which runs litgpt's initializers.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def stochastic_weight_averaging_is_refused_with_the_fix():
     else:
         raise AssertionError("StochasticWeightAveraging was not refused")
     assert message.startswith("`StochasticWeightAveraging` does not support sharded models"), message
-    assert "HINT: use `lightning.pytorch.callbacks.WeightAveraging()` instead" in message, message
+    assert "HINT: " in message and "WeightAveraging()" in message, message  # Lightning 2.5: "upgrade to 2.6 and use"
     messages = [None] * WORLD
     dist.all_gather_object(messages, message)
     assert len(set(messages)) == 1, messages  # the same refusal on every rank
@@ -186,6 +187,27 @@ def litgpt_load_checkpoint_loads_a_full_file_into_the_shards():
     assert isinstance(model.module.head.weight, torch.distributed.tensor.DTensor)
     return {"diff": diff, "local_rows": model.module.head.weight.to_local().shape[0], "full_rows": full(
         model.module.head.weight).shape[0]}
+
+
+@case
+def litgpt_pretrain_init_runs_litgpts_initializers_at_setup():
+    # litgpt's FSDP branch leaves the meta-device model to the strategy: setup runs each module's `reset_parameters`,
+    # which `initialize_weights` replaced with its GPT-NeoX initializers.
+    from litgpt import GPT, Config
+    from litgpt.pretrain import initialize_weights
+
+    config = Config(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64, padded_vocab_size=64)
+    fabric = make_fabric(WORLD)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
+    model = fabric.setup(model)
+    weights = full_params(model)
+    # The embedding's std is sqrt(2 / 5 / n_embd) ~ 0.079 under litgpt's init (nn.Embedding's own would be 1.0).
+    found = {"wte_std": weights["transformer.wte.weight"].std().item()}
+    assert 0.06 < found["wte_std"] < 0.1, found
+    return found
 
 
 if __name__ == "__main__":
