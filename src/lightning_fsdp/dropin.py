@@ -97,11 +97,9 @@ def choose_our_precision(connector_cls: type, flags: tuple[str, str], plugin_cls
 
     def make(original: Any) -> Any:
         def check_and_init_precision(self: Any) -> Any:
-            from lightning.fabric.plugins.precision import Precision as FabricPrecision
-            from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+            from lightning.fabric.plugins.precision import Precision  # the Trainer's plugins subclass it too
 
-            given = getattr(self, instance_flag)
-            if _is_ours(self.strategy) and not isinstance(given, (FabricPrecision, TrainerPrecision)):
+            if _is_ours(self.strategy) and not isinstance(getattr(self, instance_flag), Precision):
                 return plugin_cls(getattr(self, name_flag))
             return original(self)
 
