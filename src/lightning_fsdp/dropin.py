@@ -54,17 +54,18 @@ _PATCHED = "_lightning_fsdp_dropin"
 
 def register() -> None:
     """Make both fronts virtual subclasses of Lightning's two ``FSDPStrategy`` classes, and correct the branches that
-    then run with them (see the table above). Idempotent."""
+    then run with them (each listed in the module docstring). Idempotent."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDP
     from lightning.pytorch.strategies import FSDPStrategy as LightningTrainerFSDP
 
     from lightning_fsdp import fabric, trainer
     from lightning_fsdp._compat import FabricConnector, TrainerConnector
+    from lightning_fsdp.precision import FSDPPrecision
 
     LightningFabricFSDP.register(fabric.FSDPStrategy)
     LightningTrainerFSDP.register(trainer.FSDPStrategy)
-    choose_our_precision(FabricConnector, FABRIC_CONNECTOR_PRECISION_FLAGS, fabric.FSDPPrecision)
+    choose_our_precision(FabricConnector, FABRIC_CONNECTOR_PRECISION_FLAGS, FSDPPrecision)
     choose_our_precision(TrainerConnector, TRAINER_CONNECTOR_PRECISION_FLAGS, trainer.FSDPTrainerPrecision)
     allow_meta_optimizers(Fabric)
 
