@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp import at_rest, grads, sharding
+from lightning_fsdp import at_rest, full_state_load, grads, sharding
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.failures import explain_collective_failure
 from lightning_fsdp.mesh import ClusterInfo, build_mesh, default_backend, init_process_group
@@ -87,6 +87,8 @@ class FSDPEngine:
         mp_policy = self.config.mixed_precision or mp_policy
         result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy, harness=harness)
         self._models.add(module)
+        # `module.load_state_dict(full)` and full checkpoints then cut each full tensor to this rank's shard.
+        full_state_load.accept_full_tensors(module)
         at_rest.reshard_after_grad_free_forwards(module, result.roots)
         _move_metrics_to_device(module, self.device)
         for optimizer in optimizers:

@@ -282,7 +282,12 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         return id_keyed_optimizer_state(state) if self.config.state_dict_type == "full" else state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # `load_checkpoint` has restored the sharded model already.
+        # Lightning's restore passes what `load_checkpoint` returned: the model was restored there and is no longer
+        # in it. A state dict a caller passes under "state_dict" (full tensors, say) loads through the module's own
+        # `load_state_dict`, which cuts full tensors to shards (see `full_state_load`).
+        if TRAINER_MODEL_KEY in checkpoint:
+            assert self.lightning_module is not None
+            self.lightning_module.load_state_dict(checkpoint[TRAINER_MODEL_KEY], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # `load_checkpoint` has restored the optimizers already.

@@ -28,6 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import weights_only_hint
+from lightning_fsdp.full_state_load import load_full_from_rank0
 from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
@@ -241,7 +242,10 @@ def _load_full(
     check = verifiers[0].check if verifiers else lambda tensor: None
     for key, module in split.models.items():
         if key in found:
-            set_model_state_dict(module, _CheckedOnRead(entries.get(key, {}), check), options=options)
+            # Entry by entry through the module's own `load_state_dict`, so hooks that rename keys (litgpt's LoRA
+            # layers) see the file's names on every rank; see `full_state_load`.
+            full = _CheckedOnRead(entries.get(key, {}), check) if comm.global_rank == 0 else None
+            load_full_from_rank0(module, full, strict=strict)
     for key, optimizer in split.optimizers.items():
         if key in found:
             set_optimizer_state_dict(split.owners[key], optimizer, entries.get(key, {}), options=options)
