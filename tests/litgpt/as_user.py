@@ -19,10 +19,24 @@ import litgpt.pretrain
 SCRIPTS = (litgpt.finetune.full, litgpt.finetune.lora, litgpt.finetune.adapter, litgpt.pretrain)
 
 
-def ddp_strategy(**fsdp_keywords):
-    from lightning.fabric.strategies import DDPStrategy
+class ddp_strategy:
+    """Called with litgpt's FSDP keywords, gives Lightning's plain ``DDPStrategy``. A class (``isinstance`` needs one)
+    whose instances are never made, so litgpt's ``isinstance(strategy, FSDPStrategy)`` answers False as for DDP.
 
-    return DDPStrategy()
+    Two settings make DDP a fair reference where litgpt assumes FSDP: ``find_unused_parameters`` (the adapter's
+    prompts get no gradient while its gating factor is still 0), and real initialization under litgpt's
+    ``init_module(empty_init=True)``: FSDP initializes what it materializes, but DDP would leave the weights that the
+    base checkpoint lacks (LoRA's, the adapter's) as uninitialized memory.
+    """
+
+    def __new__(cls, **fsdp_keywords):
+        from lightning.fabric.strategies import DDPStrategy
+
+        class InitializingDDP(DDPStrategy):
+            def module_init_context(self, empty_init=None):
+                return super().module_init_context(empty_init=False)
+
+        return InitializingDDP(find_unused_parameters=True)
 
 
 if os.environ.get("LITGPT_AS_USER_STRATEGY", "ours") == "ddp":
