@@ -10,6 +10,13 @@ with the same keys in both. So that the rule can fail, each test also checks tha
 more than the tolerance. The data is fixed-length and unshuffled, and the global batch is 2 samples of 1 (devices=1
 accumulates 2 micro-batches, 2 ranks 1 each), so both runs take each optimizer step on the same samples.
 
+LoRA and adapter: their weights are not in the base checkpoint, so each run draws them at random, and no sharded
+initialization can draw litgpt's ``devices=1`` values: litgpt builds each attention's plain ``nn.Linear`` layers (the
+``super().__init__``), which draws from the generator on one process, then replaces them with LoRA layers, and a
+meta-device build draws nothing for the discarded ones. So ours trains from the base checkpoint as users run it,
+and the reference runs start from that checkpoint plus the LoRA/adapter weights ours initialized (read from a run of
+ours that stops before its first step): the comparison is of training, from the same start.
+
 ``TORCHDYNAMO_DISABLE=1`` for pretrain: its ``torch.compile`` costs about 30 s per process on this CPU, and Fabric sets
 up the uncompiled module either way (it unwraps the compiled one, and compiles again after the strategy's setup).
 """
@@ -17,6 +24,7 @@ up the uncompiled module either way (it unwraps the compiled one, and compiles a
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,12 +112,30 @@ def check_close(name: str, outs: dict[str, Path], start: dict[str, torch.Tensor]
     )
 
 
-def run_three(command: str, args: list[str], tmp_path: Path) -> dict[str, Path]:
+def run_three(command: str, args: list[str], tmp_path: Path, *, reference_base: Path | None = None) -> dict[str, Path]:
+    """Run ``litgpt COMMAND BASE ARGS`` as single, ours and ddp; the first of ``args`` is the base checkpoint, which
+    ``reference_base`` replaces for the single and ddp runs."""
     outs = {}
     for how in ("single", "ours", "ddp"):
         outs[how] = tmp_path / how
-        litgpt(command, [*args, "--out_dir", str(outs[how])], how=how, cwd=tmp_path)
+        base = args[0] if reference_base is None or how == "ours" else str(reference_base)
+        litgpt(command, [base, *args[1:], "--out_dir", str(outs[how])], how=how, cwd=tmp_path)
     return outs
+
+
+def base_with_ours_init(command: str, args: list[str], saved: str, tmp_path: Path) -> Path:
+    """A copy of the base checkpoint directory whose ``lit_model.pth`` also holds the weights (LoRA's, the adapter's)
+    that ours initialized: read from ``final/SAVED`` of a run of ours that ends before its first step (epochs 0)."""
+    out = tmp_path / "ours-init"
+    litgpt(command, [*args, "--train.epochs", "0", "--train.max_steps", "1", "--out_dir", str(out)], how="ours",
+           cwd=tmp_path)
+    initialized = weights(out / "final" / saved)
+    reference = tmp_path / "base-with-ours-init"
+    shutil.copytree(args[0], reference)
+    state = weights(Path(args[0]) / "lit_model.pth")
+    assert not set(state) & set(initialized), "the base checkpoint already holds these weights"
+    torch.save({**state, **initialized}, reference / "lit_model.pth")
+    return reference
 
 
 def test_finetune_full(base, tmp_path):
@@ -120,7 +146,9 @@ def test_finetune_full(base, tmp_path):
 def test_finetune_lora_from_base_checkpoint(base, tmp_path):
     # the base checkpoint holds no LoRA weights: litgpt loads it with strict=False and its LoRA layers rename keys
     lora = ["--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_mlp", "true", "--lora_head", "true"]
-    outs = run_three("finetune_lora", [str(base), *FINETUNE_ARGS, *lora], tmp_path)
+    args = [str(base), *FINETUNE_ARGS, *lora]
+    outs = run_three("finetune_lora", args, tmp_path,
+                     reference_base=base_with_ours_init("finetune_lora", args, "lit_model.pth.lora", tmp_path))
     check_close("final/lit_model.pth.lora", outs,
                 start={k: torch.zeros(()) for k in weights(outs["single"] / "final/lit_model.pth.lora")
                        if k.endswith("lora_B")})
@@ -128,7 +156,9 @@ def test_finetune_lora_from_base_checkpoint(base, tmp_path):
 
 
 def test_finetune_adapter(base, tmp_path):
-    outs = run_three("finetune_adapter", [str(base), *FINETUNE_ARGS], tmp_path)
+    args = [str(base), *FINETUNE_ARGS]
+    outs = run_three("finetune_adapter", args, tmp_path,
+                     reference_base=base_with_ours_init("finetune_adapter", args, "lit_model.pth.adapter", tmp_path))
     adapter = weights(outs["single"] / "final/lit_model.pth.adapter")
     check_close("final/lit_model.pth.adapter", outs,
                 start={k: torch.zeros(()) for k in adapter if k.endswith("gating_factor")})
