@@ -23,6 +23,8 @@ CASES = [
     "shard_grad_op_and_no_shard",
     "load_raw_of_a_full_file_strict",
     "load_of_a_full_checkpoint_with_optimizer",
+    "load_raw_strict_through_hooks_is_judged_as_torch_judges_it",
+    "load_raw_through_a_reshaping_hook",
     "trainer_lightning_module_load_state_dict",
     "trainer_strict_false_result_object",
     "trainer_strategy_load_model_state_dict",

@@ -5,39 +5,35 @@ Lightning's (theirs drive FSDP1), so without help every such check takes the non
 classes are ABCs, so :func:`register` (run by ``import lightning_fsdp``) makes each front's class a *virtual subclass*
 of the matching Lightning class with ``ABCMeta.register``: ``isinstance`` and ``issubclass`` answer True, while
 ``type(strategy) is FSDPStrategy`` (the connectors' "FSDP needs a GPU" check) stays False, and nothing of Lightning's
-FSDP1 class is inherited. Then each site's FSDP branch runs with our strategy, so each was checked:
+FSDP1 class is inherited. Then each site's FSDP branch runs with our strategy, so each was checked. Every site in
+Lightning 2.5.6 and 2.6.6 and litgpt 0.5.9 (transformers 5.23 has none), as *site*: what its FSDP branch does ->
+what happens with ours:
 
-============================================ ===================================== =====================================
-site (Lightning 2.5.6 and 2.6.6, litgpt 0.5.9) what the FSDP branch does              with our strategy
-============================================ ===================================== =====================================
-``Trainer.fit/validate/test/predict``:        accepts a ``torch.compile``-d           accepted: the compiled steps run
-``_verify_strategy_supports_compile``         LightningModule (others: RuntimeError)  around FSDP2's hooks (torch skips
-                                                                                      them in dynamo) and train like eager
-both connectors' ``_check_and_init_precision`` builds Lightning's FSDP1 precision    pre-empted (:func:`choose_our_precision`):
-                                              plugin from ``precision=``              our plugin, from the same name; a
-                                                                                      plugin instance passes as before
-``Fabric._validate_setup``                    refuses ``fabric.setup(model, opt)``    lifted (:func:`allow_meta_optimizers`):
-                                              when the optimizer holds meta-device    setup materializes the shards and
-                                              parameters                              points the optimizer at them
-loops' ``_no_grad_context``                   evaluation under ``no_grad``, never     the same; ``trainer.py`` also turns
-                                              ``inference_mode`` (FSDP cannot train   the loops' ``inference_mode`` off,
-                                              on tensors gathered in it)              which gloo forced anyway
-``StochasticWeightAveraging.setup``           refuses: "SWA does not currently        refused earlier, with the fix
-                                              support sharded models"                 (``averaging.refuse_swa``): use
-                                                                                      ``WeightAveraging``, which we shard
-``ServableModuleValidator.on_train_start``    refuses to serve a sharded model        the same refusal
-Trainer connector ``is_distributed``          True                                    True (as our property says)
-litgpt ``utils.load_checkpoint`` and          ``fabric.load_raw(path, model)``, not   our raw load: a full file into the
-``load_checkpoint_update``                    a ``load_state_dict`` of full tensors   sharded model, each rank its shards
-litgpt ``pretrain.initialize_weights``        skips ``reset_parameters(model)``: the  the same: ``param_init_fn=None``
-                                              strategy initializes meta tensors       runs each module's (patched)
-                                                                                      ``reset_parameters`` at setup
-============================================ ===================================== =====================================
+- ``Trainer.fit/validate/test/predict``, ``_verify_strategy_supports_compile``: a ``torch.compile``-d LightningModule
+  is accepted (other strategies: RuntimeError) -> accepted; the compiled steps run around FSDP2's hooks, which dynamo
+  skips, and train exactly as the uncompiled module does.
+- both connectors' ``_check_and_init_precision``: builds Lightning's FSDP1 precision plugin from ``precision=`` ->
+  pre-empted by :func:`choose_our_precision`: our plugin, from the same name (``"16-mixed"`` stays fp16 on CPU too,
+  where the non-FSDP branch switched to bf16); a plugin instance the user passes goes through as before.
+- ``Fabric._validate_setup``: refuses ``fabric.setup(model, optimizer)`` when the optimizer holds meta-device
+  parameters -> lifted by :func:`allow_meta_optimizers`: our setup materializes the shards and points the optimizer
+  at them.
+- the loops' ``_no_grad_context``: evaluation runs under ``no_grad``, never ``inference_mode`` (FSDP cannot train on
+  parameters gathered in it) -> the same; ``trainer.py`` also turns the loops' ``inference_mode`` off.
+- ``StochasticWeightAveraging.setup``: refuses, "SWA does not currently support sharded models" -> refused before it,
+  with the same exception type and the fix (:func:`lightning_fsdp.averaging.refuse_stochastic_weight_averaging`):
+  ``WeightAveraging``, whose copy we shard.
+- ``ServableModuleValidator.on_train_start``: refuses to serve a sharded model -> the same refusal.
+- the Trainer connector's ``is_distributed``: True -> True, as our own property says.
+- litgpt ``utils.load_checkpoint`` and ``load_checkpoint_update``: ``fabric.load_raw(path, model)`` instead of
+  ``model.load_state_dict`` of full tensors -> our raw load: each rank takes its shards of the full file.
+- litgpt ``pretrain.initialize_weights``: skips ``reset_parameters(model)``, since the strategy initializes the meta
+  tensors -> the same: with ``param_init_fn=None`` setup runs each module's ``reset_parameters``, the ones litgpt
+  patched included.
 
-Not affected: ``type(flag) is FSDPStrategy`` in both connectors' GPU check (``registry.py`` handles the names), and
-``isinstance(plugin, FSDPPrecision)`` in the throughput utilities (a precision-plugin check; ours is not Lightning's
-FSDP precision, so MFU counts it as fp32). transformers 5.23 has no Lightning checks. ``tests/test_dropin.py`` runs
-each site.
+Not affected: ``type(flag) is FSDPStrategy`` in both connectors' "FSDP needs a GPU" check (``registry.py`` deals with
+the names), and ``isinstance(plugin, FSDPPrecision)`` in the throughput utilities (a precision-plugin check: ours is
+not Lightning's FSDP plugin, so ``ThroughputMonitor`` counts it as fp32). ``tests/test_dropin.py`` runs each site.
 """
 
 from __future__ import annotations

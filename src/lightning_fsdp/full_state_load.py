@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-__all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0"]
+__all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0", "has_own_load_hooks"]
 
 _HOOKED = "_lightning_fsdp_accepts_full_tensors"
 
@@ -67,7 +67,7 @@ class _ShardFullTensors:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                  *args: Any) -> None:
-        if self.unit is not None:
+        if self.unit is not None and any(not isinstance(p, DTensor) for p in module._parameters.values() if p is not None):
             self.unit.reshard()
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         for name, current in [*module._parameters.items(), *module._buffers.items()]:
@@ -138,6 +138,9 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
     dist.broadcast_object_list(box, src=0)
     plan: list[tuple[str, tuple[int, ...], torch.dtype]] = box[0]  # type: ignore[assignment]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # Full checkpoints hold clean names; a `torch.compile`d submodule keeps its parameters under `_orig_mod.`.
+    # (Activation-checkpoint wrappers need nothing here: their own load hook puts their prefix back.)
+    model_key = {_clean(k): k for k in module.state_dict() if _clean(k) != k}
     missing: Optional[list[str]] = None
     unexpected: list[str] = []
     for key, shape, dtype in plan:
@@ -147,7 +150,7 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
         else:
             tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(tensor, src=0)
-        result = module.load_state_dict({key: tensor}, strict=False)
+        result = module.load_state_dict({model_key.get(key, key): tensor}, strict=False)
         del tensor
         still_missing = set(result.missing_keys)
         missing = result.missing_keys if missing is None else [k for k in missing if k in still_missing]
@@ -160,3 +163,31 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
             f" {unexpected}. HINT: pass `strict=False` to load the entries that match and skip the rest."
         )
     return _IncompatibleKeys(missing, unexpected)
+
+
+def has_own_load_hooks(model: nn.Module) -> bool:
+    """Whether some module of ``model`` changes what its state dict's keys or shapes mean while it loads: a class
+    that overrides ``_load_from_state_dict`` (litgpt's LoRA layers), or a load pre-hook that neither torch nor this
+    package registered. For such a model only the load itself can tell which entries fit, so a checkpoint's names and
+    shapes cannot be compared with ``model.state_dict()``'s beforehand."""
+    for module in model.modules():
+        if not _known(type(module)._load_from_state_dict):
+            return True
+        if not all(_known(getattr(hook, "hook", hook)) for hook in module._load_state_dict_pre_hooks.values()):
+            return True  # (torch wraps a hook registered with its module; `.hook` is the function)
+    return False
+
+
+# Code from these packages loads entries under the names and shapes `state_dict()` gives them (torchmetrics'
+# `Metric` overrides `_load_from_state_dict` only to restore its states; activation-checkpoint wrappers and FSDP
+# register pre-hooks that keep names as they are).
+_KNOWN_ORIGINS = ("torch.", "torchmetrics.", "lightning.", "lightning_fsdp.")
+
+
+def _known(fn: Any) -> bool:
+    origin = getattr(fn, "__module__", None) or type(fn).__module__
+    return origin.startswith(_KNOWN_ORIGINS)
+
+
+def _clean(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")

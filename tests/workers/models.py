@@ -68,3 +68,35 @@ def fill_with_half(module: nn.Module) -> None:
     """A ``param_init_fn`` for the tests, importable by its dotted path ``models.fill_with_half``."""
     for param in module.parameters(recurse=False):
         param.fill_(0.5)
+
+
+class Remapped(nn.Module):
+    """litgpt's LoRALinear pattern: the base checkpoint says ``weight``, the module keeps it as ``linear.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def _load_from_state_dict(self, sd, prefix, *args, **kwargs):
+        for n in ("weight", "bias"):
+            if prefix + n in sd:
+                sd[prefix + "linear." + n] = sd.pop(prefix + n)
+        super()._load_from_state_dict(sd, prefix, *args, **kwargs)
+
+
+class Odd(nn.Module):
+    """Shapes that do not divide by 2 or 4 ranks: a 7x5 weight, a vocabulary of 7, a 1-row weight (whose shard is
+    empty on every rank but the first), and a 0-dim buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 5)
+        self.proj = nn.Linear(5, 7)
+        self.narrow = nn.Linear(7, 1)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, idx):
+        return self.narrow(self.proj(self.embed(idx))) * self.scale

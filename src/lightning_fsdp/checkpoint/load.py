@@ -28,7 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import weights_only_hint
-from lightning_fsdp.full_state_load import load_full_from_rank0
+from lightning_fsdp.full_state_load import has_own_load_hooks, load_full_from_rank0
 from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
@@ -234,7 +234,10 @@ def _load_full(
     _check_requested(state, [*found, *metadata], strict)
     # Checked on every rank from rank 0's tables, before the state-dict API's broadcasts: a mismatch found there
     # would raise on rank 0 alone (and as an anonymous size error for a shape).
-    models = {k: (fit.model_shapes(get_model_state_dict(m)), tables[k]) for k, m in split.models.items() if k in found}
+    # A model whose modules rename or reshape entries while loading (litgpt's LoRA layers) is checked by torch
+    # itself, after its hooks, in `load_full_from_rank0`: on every rank alike, since every rank loads the same entries.
+    models = {k: (fit.model_shapes(get_model_state_dict(m)), tables[k]) for k, m in split.models.items()
+              if k in found and not has_own_load_hooks(m)}
     optimizers = {k: (get_optimizer_state_dict(split.owners[k], o), tables[k])
                   for k, o in split.optimizers.items() if k in found}
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
