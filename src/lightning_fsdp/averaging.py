@@ -91,9 +91,9 @@ def refuse_stochastic_weight_averaging(trainer: Trainer) -> None:
         fix = (f"upgrade to Lightning 2.6 (this is {lightning_version()}) and use its `WeightAveraging()` callback,"
                " which this strategy shards like the model.")
     raise MisconfigurationException(
-        "`StochasticWeightAveraging` does not support sharded models: it averages into an unsharded copy of the"
-        " model, which would not fit where sharding is needed, and Lightning refuses it for its own FSDPStrategy too."
-        f" HINT: {fix}"
+        "`StochasticWeightAveraging` does not support sharded models: it keeps an unsharded copy of the model and"
+        " copies weights between the two parameter by parameter, and Lightning refuses it for its own FSDPStrategy"
+        f" too. HINT: {fix}"
     )
 
 

@@ -54,17 +54,18 @@ _PATCHED = "_lightning_fsdp_dropin"
 
 def register() -> None:
     """Make both fronts virtual subclasses of Lightning's two ``FSDPStrategy`` classes, and correct the branches that
-    then run with them (see the table above). Idempotent."""
+    then run with them (each listed in the module docstring). Idempotent."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import FSDPStrategy as LightningFabricFSDP
     from lightning.pytorch.strategies import FSDPStrategy as LightningTrainerFSDP
 
     from lightning_fsdp import fabric, trainer
     from lightning_fsdp._compat import FabricConnector, TrainerConnector
+    from lightning_fsdp.precision import FSDPPrecision
 
     LightningFabricFSDP.register(fabric.FSDPStrategy)
     LightningTrainerFSDP.register(trainer.FSDPStrategy)
-    choose_our_precision(FabricConnector, FABRIC_CONNECTOR_PRECISION_FLAGS, fabric.FSDPPrecision)
+    choose_our_precision(FabricConnector, FABRIC_CONNECTOR_PRECISION_FLAGS, FSDPPrecision)
     choose_our_precision(TrainerConnector, TRAINER_CONNECTOR_PRECISION_FLAGS, trainer.FSDPTrainerPrecision)
     allow_meta_optimizers(Fabric)
 
@@ -97,11 +98,9 @@ def choose_our_precision(connector_cls: type, flags: tuple[str, str], plugin_cls
 
     def make(original: Any) -> Any:
         def check_and_init_precision(self: Any) -> Any:
-            from lightning.fabric.plugins.precision import Precision as FabricPrecision
-            from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+            from lightning.fabric.plugins.precision import Precision  # the Trainer's plugins subclass it too
 
-            given = getattr(self, instance_flag)
-            if _is_ours(self.strategy) and not isinstance(given, (FabricPrecision, TrainerPrecision)):
+            if _is_ours(self.strategy) and not isinstance(getattr(self, instance_flag), Precision):
                 return plugin_cls(getattr(self, name_flag))
             return original(self)
 

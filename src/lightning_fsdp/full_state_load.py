@@ -26,6 +26,7 @@ tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -143,12 +144,18 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
     model_key = {_clean(k): k for k in module.state_dict() if _clean(k) != k}
     missing: Optional[list[str]] = None
     unexpected: list[str] = []
-    for key, shape, dtype in plan:
-        if rank == 0:
+    # The other ranks receive every entry into one buffer the size of the largest: a fresh tensor per entry left
+    # the host allocator's heap growing with the number of entries (freed blocks split by small allocations in
+    # between), to 0.3x the model's size at 16 layers. Nothing keeps an entry past its `load_state_dict`: the
+    # pre-hook copies a view of it into the shard, and torch copies plain parameters and buffers.
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in plan]
+    buffer = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) if rank != 0 else None
+    for (key, shape, dtype), nbytes in zip(plan, sizes):
+        if buffer is None:
             assert full is not None
             tensor = full[key].detach().to(device).contiguous()
         else:
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+            tensor = buffer[:nbytes].view(dtype).view(shape)
         dist.broadcast(tensor, src=0)
         result = module.load_state_dict({model_key.get(key, key): tensor}, strict=False)
         del tensor
@@ -187,6 +194,10 @@ _KNOWN_ORIGINS = ("torch.", "torchmetrics.", "lightning.", "lightning_fsdp.")
 def _known(fn: Any) -> bool:
     origin = getattr(fn, "__module__", None) or type(fn).__module__
     return origin.startswith(_KNOWN_ORIGINS)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def _clean(key: str) -> str:

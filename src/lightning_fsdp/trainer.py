@@ -160,6 +160,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         self._engine = FSDPEngine(config, process_group_backend, config.timeout)
         self._background_saves = checkpoint.AsyncSaves()
         self._sharded: Optional[Module] = None
+        self._restored_checkpoint: Optional[dict[str, Any]] = None  # what `load_checkpoint` last returned
         self.num_nodes = 1
 
     # --- properties Lightning reads -----------------------------------------------------------------------
@@ -285,9 +286,13 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         return id_keyed_optimizer_state(state) if self.config.state_dict_type == "full" else state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # Lightning's restore passes what `load_checkpoint` returned: the model was restored there and is no longer
-        # in it. A state dict a caller passes under "state_dict" (full tensors, say) loads through the module's own
-        # `load_state_dict`, which cuts full tensors to shards (see `full_state_load`).
+        # Lightning's restore passes back what `load_checkpoint` returned: the model was restored there (its
+        # "state_dict", if any, is the live sharded state a weight-averaging callback reads). A state dict a caller
+        # passes under "state_dict" (full tensors, say) loads through the module's own `load_state_dict`, which cuts
+        # full tensors to shards (see `full_state_load`).
+        if checkpoint is self._restored_checkpoint:
+            self._restored_checkpoint = None
+            return
         if TRAINER_MODEL_KEY in checkpoint:
             assert self.lightning_module is not None
             self.lightning_module.load_state_dict(checkpoint[TRAINER_MODEL_KEY], strict=strict)
@@ -333,7 +338,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         loaded = checkpoint.load_checkpoint(
             checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine
         )
-        return averaging.complete_for_callback(loaded, self.model, average, averaged)
+        self._restored_checkpoint = averaging.complete_for_callback(loaded, self.model, average, averaged)
+        return self._restored_checkpoint
 
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints right after the save that supersedes them returns;
