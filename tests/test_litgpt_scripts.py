@@ -74,6 +74,7 @@ def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str,
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         LITGPT_AS_USER_STRATEGY=how,
+        PYTHONFAULTHANDLER="1",  # an abort prints every thread's stack: the only clue to which thread ends a process
         **(env or {}),
     )
     if how == "single":
