@@ -14,6 +14,7 @@ import importlib.util
 import json
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,11 +74,17 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
-                           precision=args.precision, optimizer=args.optimizer, **options)
-        suggestions = []
-        if args.memory_budget is not None and not plan.fits(args.memory_budget):
-            suggestions = suggest(model, inputs, plan, args.memory_budget)
+        # Warnings (a policy that selects nothing) are held back: a failed plan prints its one error line only, a
+        # plan that succeeds prints each warning as one line before the plan.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
+                               precision=args.precision, optimizer=args.optimizer, **options)
+            suggestions = []
+            if args.memory_budget is not None and not plan.fits(args.memory_budget):
+                suggestions = suggest(model, inputs, plan, args.memory_budget)
+        for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+            print(f"lightning-fsdp: warning: {message}", file=sys.stderr)
     except PlanningError as err:
         # The user's code failed: say which option named it. A forward that fails is most often a batch that does
         # not fit the model, so it names both.
