@@ -56,7 +56,8 @@ _ALLOWED = (
 @dataclass(frozen=True)
 class ReshardPlan:
     """A per-unit ``reshard_after_forward``: ``entries`` in the user's order, as (key, choice); a key is ``"root"``,
-    a class, or a string (bare class name or module name) matched at setup."""
+    a class, or a string (module name, bare class name or dotted class path) resolved at setup by
+    :func:`_resolve_key`."""
 
     entries: tuple[tuple[Union[str, type], ReshardChoice], ...]
     shown: Any  # the user's value, for messages
