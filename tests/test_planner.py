@@ -265,6 +265,7 @@ def test_a_plan_holds_the_planned_ranks_only():
         small_plan(world_size=2**16 + 1)
 
 
+@pytest.mark.filterwarnings("ignore:`auto_wrap_policy` selected no module")
 def test_python_form_raises_a_planning_error_naming_the_phase():
     from lightning_fsdp.planner import PlanningError
 
