@@ -39,6 +39,72 @@ def giant_batch():
 
 def not_a_model():
     return 3
+
+
+class Reads(torch.nn.Module):
+    """A model whose forward needs values or data-dependent shapes, which fake tensors do not have."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        if self.how == "item" and x.float().mean().item() > 0:
+            x = x + 1
+        if self.how == "nonzero":
+            x = x[x.nonzero()[:, 0]]
+        return self.linear(x.float())
+
+
+def reads_item():
+    return Reads("item")
+
+
+def reads_nonzero():
+    return Reads("nonzero")
+
+
+def fails():
+    raise RuntimeError("no checkpoint to build from")
+
+
+def wrong_batch():
+    return torch.randint(0, 64, (8, 64, 3))
+'''
+
+# A model file given by its path, whose block class the policy names as FILE.Block (issue 21, D11).
+FILE_MODEL = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x).relu()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build():
+    return Net()
+
+
+def batch():
+    return torch.randn(4, 16)
 '''
 
 
@@ -46,6 +112,11 @@ def not_a_model():
 def models_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("plan_models")
     (folder / "mymodels.py").write_text(MODELS.format(examples=str(ROOT / "examples")))
+    (folder / "filemodel.py").write_text(FILE_MODEL)
+    (folder / "broken_syntax.py").write_text("def build(:\n    pass\n")
+    (folder / "broken_import.py").write_text("import no_such_dependency_xyz\n\ndef build():\n    pass\n")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "json.py").write_text(FILE_MODEL)
     return folder
 
 
@@ -141,6 +212,75 @@ def test_bad_input_is_one_line_with_the_option_and_a_hint(models_dir, args, need
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "HINT" in lines[0], proc.stderr
+
+
+# Issue 21, D10 and D12: failures of the user's code and an unbounded world size were tracebacks with exit 1.
+@pytest.mark.parametrize(
+    ("model", "inputs", "extra", "needles"),
+    [
+        ("mymodels:reads_item", "mymodels:batch", (), ("cannot trace the model's forward", "mymodels.py:",
+                                                      "`.item()`", "no values")),
+        ("mymodels:reads_nonzero", "mymodels:batch", (), ("cannot trace the model's forward", "shape depends on the"
+                                                         " data", "nonzero")),
+        ("mymodels:fails", "mymodels:batch", (), ("--model 'mymodels:fails'", "model factory failed",
+                                                  "RuntimeError: no checkpoint to build from")),
+        ("mymodels:build", "mymodels:wrong_batch", (), ("--inputs 'mymodels:wrong_batch'", "forward failed",
+                                                        "make the batch fit")),
+        ("broken_import.py:build", "mymodels:batch", (), ("importing it failed", "broken_import.py:1",
+                                                          "no_such_dependency_xyz")),
+        ("broken_syntax.py:build", "mymodels:batch", (), ("syntax error at", "broken_syntax.py:1")),
+        ("broken_syntax:build", "mymodels:batch", (), ("syntax error at", "broken_syntax.py:1")),
+        ("sub/json.py:build", "mymodels:batch", (), ("already the name of an imported module", "rename the file")),
+        ("mymodels:build", "mymodels:batch", ("--world-size", "1000000000"), ("`--world-size 1000000000`",
+                                                                           "65,536")),
+    ],
+    ids=["item", "nonzero", "factory-raises", "inputs-do-not-fit", "import-error", "syntax-error",
+         "syntax-error-module", "file-name-clash", "world-size-too-large"],
+)
+def test_user_code_failures_are_one_line_with_exit_2(models_dir, model, inputs, extra, needles):
+    proc = run_plan(models_dir, "--model", model, "--inputs", inputs, "--world-size", "2", *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "HINT" in lines[0], proc.stderr[-3000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_a_file_model_and_its_policy_class_are_one_class(models_dir):
+    """`--model FILE.py:build --auto-wrap-policy FILE.Block` makes the blocks units (issue 21, D11): the file is
+    loaded once, as the module the policy imports, not as a second copy whose Block matches nothing."""
+    proc = run_plan(models_dir, "--model", "filemodel.py:build", "--inputs", "filemodel.py:batch", "--world-size", "2",
+                    "--auto-wrap-policy", "filemodel.Block", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "selected no module" not in proc.stderr, proc.stderr
+    assert [u["unit"] for u in json.loads(proc.stdout)["units"]] == ["blocks.0", "blocks.1", "blocks.2"], proc.stdout
+
+
+def test_a_plan_holds_the_planned_ranks_only():
+    """Nothing of a plan grows with the world size (issue 21, D12): the ranks planned, and any rank answered."""
+    plan = small_plan(world_size=64, auto_wrap_policy={train_gpt.Block})
+    assert sorted(plan.ranks) == [0, 63] and sorted(plan.peak_bytes) == [0, 63]
+    assert plan.peak_of(17) == plan.peak_bytes[0] and plan.peak_of(63) == plan.peak_bytes[63]
+    assert "peak_bytes" in plan.to_dict() and len(plan.to_dict()["peak_bytes"]) == 2
+    with pytest.raises(ValueError, match="world_size"):
+        small_plan(world_size=2**16 + 1)
+
+
+@pytest.mark.filterwarnings("ignore:`auto_wrap_policy` selected no module")
+def test_python_form_raises_a_planning_error_naming_the_phase():
+    from lightning_fsdp.planner import PlanningError
+
+    with pytest.raises(PlanningError, match="cannot trace the model's forward") as info:
+        plan_memory(_ItemModel, lambda: torch.ones(2, 4), world_size=2)
+    assert info.value.phase == "forward"
+
+
+class _ItemModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x) * x.sum().item()
 
 
 def test_python_form_refuses_options_the_strategy_does_not_have():

@@ -80,6 +80,14 @@ def planner_tools():
     return FakeStore, FakeTensorMode, FSDPMemTracker, (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
 
 
+def data_dependent_errors() -> tuple[type[Exception], ...]:
+    """What fake tensors raise for an operation whose result depends on the data they do not have: a Python value
+    (``.item()``, ``if tensor:``) or an output shape (``nonzero()``, boolean masks). The planner names them."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return DataDependentOutputException, DynamicOutputShapeException
+
+
 # --- Version differences -----------------------------------------------------------------------------------------
 
 # Lightning 2.6 added the `WeightAveraging` callback (and `EMAWeightAveraging`). On 2.5 no user can construct one, so

@@ -73,7 +73,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             an int ``k`` that divides the shard-axis size keeps a copy sharded over groups of ``k`` ranks after
             forward, so backward gathers within the group; or a dict per unit, keyed by ``"root"``, a module class
             (object, dotted path or bare name) or a module name (``"blocks.11"``), e.g. ``{"root": True, "Block":
-            2}``; units not named follow ``sharding_strategy``. See :mod:`lightning_fsdp.resharding`.
+            2}``; units not named follow ``sharding_strategy``. Keys are read at setup, against the model (a
+            submodule name first), never imported at construction. See :mod:`lightning_fsdp.resharding`.
         forward_prefetch: how many units ahead each unit starts the all-gather in forward. ``0`` (default) is
             FSDP2's own behaviour; ``True`` means 1. Units are assumed to run in module-tree order (a ``ModuleList``
             of blocks called in a loop); see :mod:`lightning_fsdp.prefetch`.

@@ -333,7 +333,7 @@ def _reshard_choices(
     names = {id(m): n for n, m in module.named_modules()}
     targets = {names.get(id(m), type(m).__name__): m for m in [*units, *roots]}
     if isinstance(default, ReshardPlan):
-        choices = default.choose(targets, roots, default_choice)
+        choices = default.choose(targets, roots, default_choice, module_names=names.values())
     else:
         choices = {id(m): default_choice for m in targets.values()}
     shard_size = mesh.size(mesh.ndim - 1)  # the shard axis is the last one in every mesh this package builds

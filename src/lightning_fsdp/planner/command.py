@@ -13,6 +13,8 @@ import importlib
 import importlib.util
 import json
 import sys
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +57,7 @@ def add_plan_command(commands: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from lightning_fsdp.planner import plan_memory, suggest
+    from lightning_fsdp.planner.step import PlanningError
 
     model = _load_callable(args.model, "--model")
     inputs = _load_callable(args.inputs, "--inputs")
@@ -71,13 +74,25 @@ def _run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
-                           precision=args.precision, optimizer=args.optimizer, **options)
+        # Warnings (a policy that selects nothing) are held back: a failed plan prints its one error line only, a
+        # plan that succeeds prints each warning as one line before the plan.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
+                               precision=args.precision, optimizer=args.optimizer, **options)
+            suggestions = []
+            if args.memory_budget is not None and not plan.fits(args.memory_budget):
+                suggestions = suggest(model, inputs, plan, args.memory_budget)
+        for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+            print(f"lightning-fsdp: warning: {message}", file=sys.stderr)
+    except PlanningError as err:
+        # The user's code failed: say which option named it. A forward that fails is most often a batch that does
+        # not fit the model, so it names both.
+        option = {"model factory": f"--model {args.model!r}", "batch factory": f"--inputs {args.inputs!r}"}.get(
+            err.phase, f"--model {args.model!r} with --inputs {args.inputs!r}")
+        raise UsageError(f"{option}: {err}") from err
     except (ValueError, TypeError) as err:
         raise UsageError(_as_option_message(str(err))) from err
-    suggestions = []
-    if args.memory_budget is not None and not plan.fits(args.memory_budget):
-        suggestions = suggest(model, inputs, plan, args.memory_budget)
     if args.json:
         out = plan.to_dict()
         if args.memory_budget is not None:
@@ -105,24 +120,83 @@ def _load_callable(spec: str, option: str) -> Callable[[], Any]:
                          f" `{option} mypkg.models:build` or `{option} path/to/train.py:build`.")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            spec_ = importlib.util.spec_from_file_location(path.stem, path)
-            if spec_ is None or not path.is_file():
-                raise FileNotFoundError(module_name)
-            module = importlib.util.module_from_spec(spec_)
-            sys.path.insert(0, str(path.resolve().parent))
-            spec_.loader.exec_module(module)  # type: ignore[union-attr]
+            module = _load_file(Path(module_name), spec, option)
         else:
             sys.path.insert(0, str(Path.cwd()))
             module = importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as err:
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        inside = isinstance(err, ModuleNotFoundError) and (
+            module_name.endswith(".py") or err.name not in _prefixes(module_name))
+        if inside:  # the module was found, but something it imports is missing
+            raise UsageError(_import_failed(spec, option, err)) from err
         raise UsageError(f"{option} {spec!r}: cannot import {module_name!r} ({err}). HINT: run from the directory"
                          " that contains the package, or give a file path such as `path/to/train.py:build`.") from err
+    except UsageError:
+        raise
+    except Exception as err:  # a SyntaxError, or whatever the module's own top level raised
+        raise UsageError(_import_failed(spec, option, err)) from err
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"{option} {spec!r}: {module_name!r} has no callable {attr!r}. HINT: name a function that"
                          " takes no arguments, e.g. `def build(): return GPT(config)`.")
     return factory
+
+
+def _load_file(path: Path, spec: str, option: str) -> Any:
+    """The module of a file path, loaded once and registered in ``sys.modules`` under the file's stem, so that
+    ``--model model.py:build --auto-wrap-policy model.Block`` names the very class the factory uses (a second copy,
+    imported by the policy, would match no module of the model). ``--inputs`` from the same file reuses it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"No such file: {str(path)!r}")
+    resolved = path.resolve()
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if _file_of(loaded) == resolved:
+            return loaded
+        where = _file_of(loaded) or "built in"
+        raise UsageError(
+            f"{option} {spec!r}: the file's name {name!r} is already the name of an imported module ({where}), so"
+            f" its classes could not be named as {name}.ClassName. HINT: rename the file, e.g. to"
+            f" `{name}_model.py`."
+        )
+    sys.path.insert(0, str(resolved.parent))  # what `python FILE.py` does: the file's own imports resolve beside it
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"{option} {spec!r}: {str(path)!r} cannot be loaded as a Python module. HINT: give a `.py`"
+                         " file, e.g. `path/to/train.py:build`.")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _file_of(module: Any) -> Path | None:
+    file = getattr(module, "__file__", None)
+    return Path(file).resolve() if file else None
+
+
+def _prefixes(module_name: str) -> set[str]:
+    parts = module_name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+
+def _import_failed(spec: str, option: str, err: BaseException) -> str:
+    """One line for a module that exists but fails while importing: the exception and the user's line."""
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename}:{err.lineno}"
+        return (f"{option} {spec!r}: syntax error at {where}: {err.msg}. HINT: fix that line; `python -m py_compile"
+                f" {err.filename}` checks the file.")
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename and "lightning_fsdp" not in f.filename]
+    where = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+    message = " ".join(str(err).split())
+    return (f"{option} {spec!r}: importing it failed{where}: {type(err).__name__}: {message}. HINT: importing the"
+            " module must succeed on its own; `python -c 'import MODULE'` (or running the file) shows the traceback.")
 
 
 def _positive_int(text: str) -> int:

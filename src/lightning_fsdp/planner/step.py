@@ -16,6 +16,9 @@ step of a run peaks lower, since its optimizer state appears only when its activ
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp._compat import planner_tools
+from lightning_fsdp._compat import data_dependent_errors, planner_tools
 from lightning_fsdp.config import FSDPConfig
 from lightning_fsdp.mesh import build_mesh
 from lightning_fsdp.precision import FSDPPrecision
 from lightning_fsdp.sharding import shard_model
 
-__all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS"]
+__all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS", "PlanningError"]
 
 FakeStore, FakeTensorMode, FSDPMemTracker, (PEAK_FW, PEAK_BW) = planner_tools()
 
@@ -44,6 +47,69 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 ModelSource = Union[nn.Module, Callable[[], nn.Module]]
 BatchSource = Union[Any, Callable[[], Any]]
+
+
+class PlanningError(RuntimeError):
+    """The user's code failed while the planner ran it: the model factory, the batch factory, or the model's forward
+    or backward on fake tensors. ``phase`` says which; the original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+# What to do when each phase fails, after the cause.
+_HINTS = {
+    "model factory": "make the factory build the model without arguments, e.g. `def build(): return GPT(config)`;"
+                     " calling it in Python shows the whole traceback",
+    "batch factory": "make the factory return one rank's batch without arguments, e.g."
+                     " `def batch(): return torch.randint(0, 50304, (8, 1024))`",
+    "forward": "make the batch fit the model's forward: a tensor is passed as the one positional argument, a tuple as"
+               " the positional arguments, a dict as the keyword arguments",
+    "backward": "check that the output the planner backpropagates (the output if a scalar, its `.loss`, else its"
+                " sum) is differentiable",
+}
+
+
+@contextmanager
+def _running(phase: str) -> Iterator[None]:
+    """Turn a failure of the user's code in ``phase`` into a :class:`PlanningError` that says where and what to do."""
+    try:
+        yield
+    except PlanningError:
+        raise
+    except data_dependent_errors() as err:
+        raise PlanningError(
+            f"The planner cannot trace the model's {phase}{_user_line(err)}: it needs {_data_dependent(err)}, and"
+            " the planner runs on fake tensors, which have shapes and dtypes but no values. HINT: keep data-dependent"
+            " code out of the step when planning (e.g. put a `.item()` check behind a flag the factory turns off):"
+            " the memory is that of the same step without it.", phase,
+        ) from err
+    except Exception as err:
+        message = " ".join(str(err).split()) or "(no message)"
+        if len(message) > 300:
+            message = message[:297] + "..."
+        what = f"The {phase}" if "factory" in phase else f"The model's {phase}"
+        raise PlanningError(f"{what} failed{_user_line(err)}: {type(err).__name__}: {message.rstrip('.')}."
+                            f" HINT: {_HINTS[phase]}.", phase) from err
+
+
+def _data_dependent(err: Exception) -> str:
+    if isinstance(err, data_dependent_errors()[1]):
+        return f"an output whose shape depends on the data ({err}: `nonzero()`, a boolean mask, `unique()`)"
+    return f"a Python value computed from the data ({err}: `.item()`, `if tensor:`, `int(tensor)`)"
+
+
+def _user_line(err: BaseException) -> str:
+    """`` at FILE:LINE (`code`)`` for the innermost frame outside torch and this package: the user's line that
+    failed; empty if there is none (the failure is inside torch, called from here)."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and f"{os.sep}lightning_fsdp{os.sep}" not in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = f" (`{frame.line.strip()}`)" if frame.line else ""
+    return f" at {frame.filename}:{frame.lineno}{code}"
 
 
 @dataclass
@@ -78,7 +144,7 @@ def run_step(
         # FSDP's note on root outputs that are views concerns in-place use of the output; the planner makes none.
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         mesh = build_mesh(config, device, world_size, num_nodes)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             module = _fake_model(model, mode)
             shard_model(module, config, mesh, device, config.mixed_precision or plugin.mixed_precision_policy())
             opt = OPTIMIZERS[optimizer](module.parameters())
@@ -87,9 +153,11 @@ def run_step(
             tracker = FSDPMemTracker(module, opt)
             tracker.track_inputs((args, kwargs))
             with tracker:
-                with plugin.forward_context():
+                with plugin.forward_context(), _running("forward"):
                     output = module(*plugin.convert_input(args), **plugin.convert_input(kwargs))
-                _loss_of(output).backward()
+                loss = _loss_of(output)
+                with _running("backward"):
+                    loss.backward()
                 before_step = tracker.get_tracker_snapshot("peak")
                 opt.step()
                 after = tracker.get_tracker_snapshot("current")  # params, grads and optimizer state at rest
@@ -102,6 +170,18 @@ def run_step(
         peak_bytes=peak_dev["Total"], peak=_categories(peak_dev), after_step=_categories(_one_device(after)),
         units=units, peak_phase=phase, peak_unit=unit,
     )
+
+
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Fake tensors log a whole traceback for an op that fails on the shapes (a batch that does not fit the model)
+    before raising; the error itself reaches the user as one :class:`PlanningError`, so the log only repeats it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
 
 
 def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -134,7 +214,8 @@ def _fake_model(source: ModelSource, mode: FakeTensorMode) -> nn.Module:
         memo = {id(t): _meta_like(t) for t in [*source.parameters(), *source.buffers()]}
         module = copy.deepcopy(source, memo)
     else:
-        module = source()  # built under fake mode: its tensors already have no storage
+        with _running("model factory"):
+            module = source()  # built under fake mode: its tensors already have no storage
         if not isinstance(module, nn.Module):
             raise TypeError(f"The model factory returned a {type(module).__name__}, not an nn.Module. HINT: return the"
                             " model itself, e.g. `def build(): return GPT(config)`.")
@@ -149,7 +230,8 @@ def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_batch(source: BatchSource, mode: FakeTensorMode) -> Any:
-    batch = source() if callable(source) else source
+    with _running("batch factory"):
+        batch = source() if callable(source) else source
     return _map_tensors(batch, lambda t: t if mode.is_our_fake(t) else mode.from_tensor(t))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_fsdp.planner.plan import MemoryPlan, plan_memory
+from lightning_fsdp.planner.plan import MAX_WORLD_SIZE, MemoryPlan, plan_memory
 from lightning_fsdp.planner.step import BatchSource, ModelSource
 
 __all__ = ["Suggestion", "suggest"]
@@ -55,7 +55,8 @@ def _changes(settings: dict[str, Any], world_size: int) -> list[tuple[str, dict[
         changes.append((f"activation_checkpointing_policy={units!r} (the FSDP units)",
                         {"activation_checkpointing_policy": units}))
     for factor in (2, 4):
-        changes.append((f"world_size={world_size * factor}", {"world_size": world_size * factor}))
+        if world_size * factor <= MAX_WORLD_SIZE:  # beyond, the planner refuses the world size
+            changes.append((f"world_size={world_size * factor}", {"world_size": world_size * factor}))
     if settings.get("precision") in ("32-true", "32", 32, None) and settings.get("mixed_precision") is None:
         changes.append(("precision='bf16-mixed'", {"precision": "bf16-mixed"}))
     if not settings.get("cpu_offload"):
