@@ -8,7 +8,6 @@ live in :mod:`lightning_fsdp.mesh` and run at setup.
 from __future__ import annotations
 
 import math
-import importlib
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_fsdp.activation_checkpointing import parse_checkpointing_policy
+from lightning_fsdp.dotted import import_module_of
 from lightning_fsdp.errors import bad_argument
 from lightning_fsdp.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.policy import Policy, PolicyInput, parse_policy
@@ -329,7 +329,7 @@ def _parse_param_init_fn(value: Any) -> ParamInitFn:
     module_name, _, attribute = value.strip().rpartition(".")
     problem = ""
     try:
-        found = getattr(importlib.import_module(module_name), attribute) if module_name else None
+        found = getattr(import_module_of(module_name), attribute) if module_name else None
     except (ImportError, AttributeError) as err:
         found, problem = None, f"`{value}` could not be imported ({err})"
     if callable(found):

@@ -15,7 +15,6 @@ returns the chosen modules of a concrete model.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections import Counter
 from collections.abc import Iterable
@@ -24,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
+from lightning_fsdp.dotted import import_module_of
 from lightning_fsdp.errors import bad_argument
 
 __all__ = ["Policy", "PolicyInput", "parse_policy", "detect_repeated_blocks", "describe_units"]
@@ -213,7 +213,7 @@ def _import_module_class(name: str, argument: str, value: Any) -> type[nn.Module
             )
         )
     try:
-        module = importlib.import_module(module_name)
+        module = import_module_of(module_name)
     except ImportError as err:
         raise ValueError(
             bad_argument(

@@ -30,7 +30,6 @@ shard-axis size.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 from torch import nn
 
 from lightning_fsdp._compat import checkpoint_wrapped_module
+from lightning_fsdp.dotted import import_module_of
 from lightning_fsdp.errors import bad_argument
 
 __all__ = ["ReshardChoice", "ReshardPlan", "parse_reshard_after_forward", "check_divides"]
@@ -207,7 +207,7 @@ def _import_attribute(key: str) -> Any:
     setup only, after the model was asked (see :func:`_resolve_key`)."""
     module_name, _, attribute = key.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), attribute, None)
+        return getattr(import_module_of(module_name), attribute, None)
     except ImportError:
         return None
 
