@@ -1,7 +1,9 @@
 """lightning-fsdp: an FSDP2 strategy for Lightning Fabric and the Lightning Trainer.
 
 Importing the package registers ``"fsdp"``, ``"fsdp_cpu_offload"`` and ``"hsdp"`` in Fabric's and in the Trainer's
-strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp.registry`).
+strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp.registry`), and makes both fronts' strategies
+virtual subclasses of Lightning's ``FSDPStrategy``, so Lightning's and litgpt's ``isinstance`` checks take their FSDP
+branch (see :mod:`lightning_fsdp.dropin`).
 """
 
 from lightning_fsdp.config import FSDPConfig, ShardingStrategy
@@ -18,7 +20,7 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_fsdp import fabric, trainer
+    from lightning_fsdp import dropin, fabric, trainer
     from lightning_fsdp._compat import FabricConnector, TrainerConnector
     from lightning_fsdp.registry import accept_names_on_every_accelerator
 
@@ -26,6 +28,7 @@ def _register() -> None:
     trainer.FSDPStrategy.register_strategies(StrategyRegistry)
     accept_names_on_every_accelerator(FabricConnector, STRATEGY_REGISTRY)
     accept_names_on_every_accelerator(TrainerConnector, StrategyRegistry)
+    dropin.register()
 
 
 _register()

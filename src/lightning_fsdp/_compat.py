@@ -150,13 +150,25 @@ def averaged_model(callback):
 # `registry.py`, which wraps it).
 CONNECTOR_STRATEGY_CHECK = "_check_strategy_and_fallback"
 
+# Where the connectors choose the precision plugin (Lightning's FSDP1 plugin for an `FSDPStrategy`), and the two
+# attributes that method reads on each: the plugin instance the user passed, and the precision name. `dropin.py`
+# wraps the method so our strategy gets our plugin.
+CONNECTOR_PRECISION_CHOICE = "_check_and_init_precision"
+FABRIC_CONNECTOR_PRECISION_FLAGS = ("_precision_instance", "_precision_input")
+TRAINER_CONNECTOR_PRECISION_FLAGS = ("_precision_plugin_flag", "_precision_flag")
+
+# `Fabric.setup`'s checks, one of which refuses optimizers on meta-device parameters for an `FSDPStrategy`
+# (`dropin.py` lifts it for ours).
+FABRIC_SETUP_CHECK = "_validate_setup"
+
 
 def _check_names() -> None:
     """Fail at import, in this file, when a torch or Lightning release drops a private name used only by name."""
     from torch.distributed.checkpoint import FileSystemReader
 
     for owner, name in ((FileSystemReader, DCP_READER_ITEM_VIEW), (FabricConnector, CONNECTOR_STRATEGY_CHECK),
-                        (TrainerConnector, CONNECTOR_STRATEGY_CHECK)):
+                        (TrainerConnector, CONNECTOR_STRATEGY_CHECK), (FabricConnector, CONNECTOR_PRECISION_CHOICE),
+                        (TrainerConnector, CONNECTOR_PRECISION_CHOICE), (_Fabric, FABRIC_SETUP_CHECK)):
         if not hasattr(owner, name):
             raise ImportError(
                 f"lightning-fsdp needs `{owner.__qualname__}.{name}`, which torch {torch.__version__} / Lightning"
@@ -186,6 +198,10 @@ __all__ = [
     "checkpoint_wrapped_module",
     "averaged_model",
     "CONNECTOR_STRATEGY_CHECK",
+    "CONNECTOR_PRECISION_CHOICE",
+    "FABRIC_CONNECTOR_PRECISION_FLAGS",
+    "TRAINER_CONNECTOR_PRECISION_FLAGS",
+    "FABRIC_SETUP_CHECK",
     "CheckpointImpl",
     "CheckpointWrapper",
     "checkpoint_wrapper",

@@ -11,6 +11,8 @@ module makes that work unchanged:
 - On save, the callback moves the live weights to ``current_model_state`` and puts the average under
   ``state_dict``: both hold DTensors, and the strategy writes both as sharded tensors (or gathers both into a full
   file).
+- :func:`refuse_stochastic_weight_averaging`: the older ``StochasticWeightAveraging`` callback is refused, as Lightning
+  refuses it for its own FSDP (it keeps an unsharded copy and its own LR schedule); ``WeightAveraging`` is the fix.
 - :func:`load_request` and :func:`complete_for_callback` route a checkpoint's two weight sets back into the two sharded
   models on load, and hand the callback live state dicts to "load", so its own ``on_load_checkpoint`` runs unchanged.
 """
@@ -20,15 +22,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
-from lightning_fsdp._compat import WeightAveraging, averaged_model
+from lightning_fsdp._compat import WeightAveraging, averaged_model, lightning_version
 from lightning_fsdp.checkpoint.save import sharded_model_state
 
 __all__ = [
     "CURRENT_MODEL_KEY",
     "averaged_modules",
     "refuse_copying_a_sharded_model",
+    "refuse_stochastic_weight_averaging",
     "shard_averaged_copies",
     "load_request",
     "complete_for_callback",
@@ -70,6 +75,26 @@ def refuse_copying_a_sharded_model(trainer: Trainer, model: Optional[Module], sh
             " before training, use a separate model instance, e.g. `Trainer(...).validate(LitModel(...))` and then"
             " `trainer.fit(LitModel(...))`."
         )
+
+
+def refuse_stochastic_weight_averaging(trainer: Trainer) -> None:
+    """Before the callbacks' ``setup``, where ``StochasticWeightAveraging`` would refuse us with Lightning's bare "SWA
+    does not currently support sharded models" (it sees an ``FSDPStrategy``; see :mod:`lightning_fsdp.dropin`): the
+    same refusal and exception type, with the callback that does work."""
+    if not any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
+        return
+    if WeightAveraging is not None:
+        fix = ("use `lightning.pytorch.callbacks.WeightAveraging()` instead, which this strategy shards like the model"
+               " and which averages equally, as SWA does (without SWA's learning-rate schedule: add an LR scheduler"
+               " for that), or `EMAWeightAveraging(decay=...)` for an exponential average.")
+    else:
+        fix = (f"upgrade to Lightning 2.6 (this is {lightning_version()}) and use its `WeightAveraging()` callback,"
+               " which this strategy shards like the model.")
+    raise MisconfigurationException(
+        "`StochasticWeightAveraging` does not support sharded models: it keeps an unsharded copy of the model and"
+        " copies weights between the two parameter by parameter, and Lightning refuses it for its own FSDPStrategy"
+        f" too. HINT: {fix}"
+    )
 
 
 def shard_averaged_copies(trainer: Trainer, shard: Any) -> None:

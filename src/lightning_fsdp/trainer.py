@@ -208,6 +208,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         warnings.filterwarnings("ignore", message=averaging.UNSHARDED_COPY_WARNING)
         assert self.lightning_module is not None
         averaging.refuse_copying_a_sharded_model(self.lightning_module.trainer, self.model, self._sharded)
+        averaging.refuse_stochastic_weight_averaging(self.lightning_module.trainer)
         # `LightningModule.device_mesh` works in `configure_model`, as with Lightning's ModelParallelStrategy.
         self.lightning_module._device_mesh = self._engine.mesh
 
@@ -223,7 +224,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         # The copies `WeightAveraging` callbacks made of the model are sharded like it (see `averaging.py`).
         averaging.shard_averaged_copies(trainer, lambda copy: self._engine.setup_module(copy, mp_policy, harness=True))
         # FSDP2 cannot gather parameters in inference mode and train on them afterwards (torch refuses the in-place
-        # update of an inference tensor), so evaluation runs under `no_grad`, as Lightning does for its own FSDP.
+        # update of an inference tensor), so evaluation runs under `no_grad`, as Lightning does for its own FSDP. The
+        # loops already choose `no_grad` for any `FSDPStrategy`, ours included (see `dropin.py`); this keeps the
+        # choice ours should a Lightning release change that branch.
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
             loop.inference_mode = False
         if trainer.state.fn == TrainerFn.FITTING:

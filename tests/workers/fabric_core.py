@@ -231,7 +231,7 @@ def true_half_precisions_store_low_dtype_shards():
 
 @case
 def loss_scaler_skips_step_on_every_rank_when_one_rank_overflows():
-    # Given to the strategy: `Fabric(precision="16-mixed")` itself turns fp16 into bf16 on CPU.
+    # Given as a plugin; `Fabric(precision="16-mixed")` builds the same one (see test_dropin.py).
     fabric = make_fabric(WORLD, plugins=[FSDPPrecision("16-mixed")])
     torch.manual_seed(0)
     plain = TinyTransformer()
