@@ -25,6 +25,7 @@ CASES = [
     "load_of_a_full_checkpoint_with_optimizer",
     "load_raw_strict_through_hooks_is_judged_as_torch_judges_it",
     "load_raw_through_a_reshaping_hook",
+    "bf16_parameters_offloaded_to_the_host",
     "trainer_lightning_module_load_state_dict",
     "trainer_strict_false_result_object",
     "trainer_strategy_load_model_state_dict",

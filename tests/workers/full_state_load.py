@@ -345,6 +345,21 @@ def load_raw_through_a_reshaping_hook():
     return assert_equal_to(model, reference)
 
 
+@case
+def bf16_parameters_offloaded_to_the_host():
+    # Parameters in bf16 ("bf16-true") and offloaded: the fp32 full tensors are cast as torch casts them.
+    fabric = make_fabric(WORLD, precision="bf16-true", cpu_offload=True)
+    with fabric.init_module():
+        model = built(Odd)
+    model = fabric.setup(model)
+    reference = built(Odd).to(torch.bfloat16)
+    values = other_values(Odd)
+    reference.load_state_dict(values)
+    model.load_state_dict(values)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    return assert_equal_to(model, reference)
+
+
 # ------------------------------------------------------------------------------------------------- Trainer
 
 
