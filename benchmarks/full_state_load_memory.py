@@ -19,7 +19,6 @@ and ``ratio = peak extra / model bytes``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -31,20 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_LIBC = ctypes.CDLL(None)
-
-
-def _hwm_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    _LIBC.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _hwm_kb()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_rss import hwm_kb, reset_peak  # noqa: E402
 
 
 def _model(args: argparse.Namespace, seed: int) -> nn.Module:
@@ -69,12 +56,12 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for route in args.routes.split(","):
         fabric.barrier()
-        start = _reset_peak()
+        start = reset_peak()
         if route == "load_raw":
             fabric.load_raw(args.path, model)
         else:
             model.load_state_dict(full, assign=route == "assign")
-        peak = _hwm_kb()
+        peak = hwm_kb()
         extra = (peak - start) * 1024
         rows.append({
             "rank": fabric.global_rank, "route": route, "peak_extra_MB": round(extra / 1e6, 1),

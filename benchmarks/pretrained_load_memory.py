@@ -19,7 +19,6 @@ which stays near or below 1 when no rank ever holds more than its shards plus on
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -32,20 +31,8 @@ from pathlib import Path
 
 import torch
 
-_LIBC = ctypes.CDLL(None)
-
-
-def _hwm_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    _LIBC.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _hwm_kb()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_rss import hwm_kb, reset_peak  # noqa: E402
 
 
 def _config(args: argparse.Namespace):
@@ -102,18 +89,18 @@ def worker(args: argparse.Namespace) -> None:
         model = LlamaForCausalLM(_config(args))
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     fabric.barrier()
-    start = _reset_peak()
+    start = reset_peak()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RMSNorm has no reset_parameters: the load fills it
         model = fabric.setup_module(model)
     shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if isinstance(p, DTensor))
-    after_setup = _hwm_kb()
+    after_setup = hwm_kb()
     fabric.barrier()
-    before_load = _reset_peak()
+    before_load = reset_peak()
     began = time.perf_counter()
     fabric.load_raw(args.path, model)
     seconds = time.perf_counter() - began
-    load_peak = _hwm_kb()
+    load_peak = hwm_kb()
     total_peak = max(after_setup, load_peak)
     mb = 1e6
     row = {
