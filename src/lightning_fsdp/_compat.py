@@ -137,6 +137,10 @@ get_layout = torch.serialization._get_layout
 # The globals a `torch.save` index (data.pkl) names to rebuild a tensor from its storage record.
 TORCH_SAVE_REBUILD_TENSOR = (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"))
 
+# The named tuple `nn.Module.load_state_dict` returns (missing_keys, unexpected_keys); `full_state_load.py` returns
+# the same type from a full-file load, so callers that read `.missing_keys` or print it see what torch gives.
+IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
+
 # DCP's `FileSystemReader` asks its private `_slice_file(file, storage_info)` for a readable view of one item's bytes;
 # `checkpoint/checksums.py` overrides it to verify every item as DCP reads it.
 DCP_READER_ITEM_VIEW = "_slice_file"
@@ -201,6 +205,7 @@ __all__ = [
     "lightning_at_least",
     "amp_unscale_and_check_",
     "get_layout",
+    "IncompatibleKeys",
     "TORCH_SAVE_REBUILD_TENSOR",
     "DCP_READER_ITEM_VIEW",
     "checkpoint_wrapped_module",

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
+
+from lightning_fsdp._compat import IncompatibleKeys
 
 __all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0", "has_own_load_hooks"]
 
@@ -120,7 +121,7 @@ def local_shard(full: Tensor, like: DTensor, *, own_storage: bool = False) -> DT
     return DTensor.from_local(moved, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
-def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]], *, strict: bool) -> _IncompatibleKeys:
+def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]], *, strict: bool) -> IncompatibleKeys:
     """Load a full state dict that only rank 0 holds (``full``; ``None`` on the other ranks) into ``module``, one
     entry at a time, on every rank.
 
@@ -169,7 +170,7 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
             f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, unexpected keys"
             f" {unexpected}. HINT: pass `strict=False` to load the entries that match and skip the rest."
         )
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def has_own_load_hooks(model: nn.Module) -> bool:
