@@ -28,7 +28,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp._compat import weights_only_hint
-from lightning_fsdp.full_state_load import has_own_load_hooks, load_full_from_rank0
 from lightning_fsdp.checkpoint import atomic, checksums, hf
 from lightning_fsdp.checkpoint.agreement import Communicator, together
 from lightning_fsdp.checkpoint import fit
@@ -43,6 +42,7 @@ from lightning_fsdp.checkpoint.lightning_layouts import (
 )
 from lightning_fsdp.checkpoint.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
+from lightning_fsdp.full_state_load import has_own_load_hooks, load_full_from_rank0
 
 __all__ = ["load_checkpoint", "checkpoint_keys"]
 
