@@ -99,8 +99,8 @@ def shard_model(
 
     ``harness=True`` is for a module whose own forward need not run, because its code calls submodules directly (a
     LightningModule's ``training_step`` calls ``self.model(x)``). FSDP gathers a unit's parameters in the unit's
-    forward, so ``module`` cannot be the root unit there: its top-level submodules that hold parameters outside the
-    policy's units become root units of their own instead (see :func:`harness_roots`).
+    forward, so ``module`` cannot be the root unit there: its top-level submodules that hold parameters become root
+    units of their own instead (see :func:`harness_roots`).
     """
     _refuse_fsdp1(module)
     if config.sync_module_states and not has_meta_tensors(module):
@@ -132,8 +132,11 @@ def shard_model(
     roots = harness_roots(module, extra_units=units) if harness else [module]
     if harness:
         summary += f" ({', '.join(type(r).__name__ for r in roots)})"
-    new_roots = [r for r in roots if not isinstance(r, FSDPModule)]
-    reshard = _reshard_choices(module, config, mesh, units, new_roots)
+    unit_ids = {id(u) for u in units}
+    # A root that is itself a policy unit (a block called straight from `training_step`) is sharded once, as a unit.
+    new_roots = [r for r in roots if not isinstance(r, FSDPModule) and id(r) not in unit_ids]
+    root_units = [r for r in roots if id(r) in unit_ids]
+    reshard = _reshard_choices(module, config, mesh, units, [*new_roots, *root_units])
     # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
     for unit in [*reversed(units), *new_roots]:
         fully_shard(unit, reshard_after_forward=reshard[id(unit)], **kwargs)
@@ -149,12 +152,24 @@ def shard_model(
 
 
 def harness_roots(module: nn.Module, extra_units: Sequence[nn.Module] = ()) -> list[nn.Module]:
-    """The top-level submodules of ``module`` that hold parameters no unit manages, looking through containers that
-    have no forward of their own (``ModuleList``, ``ModuleDict``). Each becomes a root unit, so one forward gathers
-    what it uses; several roots (a generator and a discriminator) each run FSDP's usual forward/backward cycle, which
-    is what lets a step run several forwards, backwards and optimizer steps in any order. ``extra_units`` are modules
-    about to become units, so the roots can be known before ``fully_shard`` runs."""
+    """The modules of a harness that become FSDP root units: each top-level submodule of ``module`` that holds any
+    parameter, looking through containers that have no forward of their own (``ModuleList``, ``ModuleDict``).
+
+    Why every one, even a submodule whose parameters all sit in units (``nn.Sequential`` of policy ``Linear`` s): FSDP
+    makes a root of the first unit whose forward runs without a root around it, and a root keeps its parameters
+    gathered after forward. Without a root above them, each unit would be its own root, and FULL_SHARD would free
+    nothing in forward (the weights are right all the same, so only memory shows it). A root above them makes them
+    ordinary units that reshard after their forward. Several roots (a generator and a discriminator) each run FSDP's
+    usual forward/backward cycle, which is what lets a step run several forwards, backwards and optimizer steps in any
+    order.
+
+    A top-level submodule that is itself a unit (a block called straight from ``training_step``) is its own root; the
+    caller gives it the ``reshard_after_forward`` of a unit (see :func:`_reshard_choices`), since no forward of the
+    harness holds it. ``extra_units`` are modules about to become units, so the roots can be known before
+    ``fully_shard`` runs.
+    """
     managed = {id(p) for unit in [*_fsdp_units(module), *extra_units] for p in unit.parameters()}
+    units = {id(u) for u in [*_fsdp_units(module), *extra_units]}
     roots: list[nn.Module] = []
 
     def visit(parent: nn.Module, prefix: str) -> None:
@@ -166,10 +181,10 @@ def harness_roots(module: nn.Module, extra_units: Sequence[nn.Module] = ()) -> l
                 f" whose forward uses it, e.g. from `self.{direct[0]}` to `self.model.{direct[0].rsplit('.', 1)[-1]}`."
             )
         for name, child in parent.named_children():
-            if not any(id(p) not in managed for p in child.parameters()):
+            if next(child.parameters(), None) is None:
                 continue
-            if type(child).forward is nn.Module.forward:  # a container: its children are what gets called
-                visit(child, f"{prefix}{name}.")
+            if id(child) not in units and type(child).forward is nn.Module.forward:
+                visit(child, f"{prefix}{name}.")  # a container: its children are what gets called
             else:
                 roots.append(child)
 
@@ -336,6 +351,11 @@ def _reshard_choices(
         choices = default.choose(targets, roots, default_choice, module_names=names.values())
     else:
         choices = {id(m): default_choice for m in targets.values()}
+    for unit in units:
+        # `None` lets FSDP2 keep a root's parameters after forward. A unit that is a root only because the harness
+        # calls it directly must reshard as the unit it is, or FULL_SHARD would keep it gathered through forward.
+        if choices[id(unit)] is None and any(unit is r for r in roots):
+            choices[id(unit)] = True
     shard_size = mesh.size(mesh.ndim - 1)  # the shard axis is the last one in every mesh this package builds
     shown = default.shown if isinstance(default, ReshardPlan) else default
     for name, unit in targets.items():

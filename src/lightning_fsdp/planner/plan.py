@@ -135,9 +135,13 @@ def plan_memory(
 
     Args:
         model: an ``nn.Module`` (its tensors are not copied; a meta-device model is fine) or a callable that
-            builds one (called under fake tensors, so a model of any size costs nothing to build).
+            builds one (called under fake tensors, so a model of any size costs nothing to build). A
+            ``LightningModule`` (or its class) is planned as the Trainer runs it: ``configure_model``, its top-level
+            models as the roots, ``training_step(batch, 0)``, and the optimizer of ``configure_optimizers`` (which
+            then replaces ``optimizer``).
         batch: one rank's batch, or a callable that returns it: a tensor (the one positional argument), a tuple
-            (positional arguments) or a dict (keyword arguments).
+            (positional arguments) or a dict (keyword arguments); for a LightningModule, the batch
+            ``training_step`` receives.
         world_size: the number of ranks of the run to plan.
         num_nodes: the number of nodes of the run to plan.
         precision: as in ``Fabric(precision=...)``.
@@ -152,7 +156,8 @@ def plan_memory(
     config = FSDPConfig.from_arguments(**strategy_options)
     ranks = [0] if world_size == 1 else [0, world_size - 1]
     planned = {r: run_step(model, batch, config, precision, optimizer, world_size, r, num_nodes) for r in ranks}
-    settings = {"precision": precision, "optimizer": optimizer, **strategy_options}
+    chosen = planned[min(planned)].optimizer  # a LightningModule's own, from `configure_optimizers`
+    settings = {"precision": precision, "optimizer": chosen or optimizer, **strategy_options}
     return MemoryPlan(world_size=world_size, settings=settings, ranks=planned, planned_ranks=ranks)
 
 

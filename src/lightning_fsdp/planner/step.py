@@ -7,6 +7,10 @@ communication buffers) and records the peak per FSDP unit, in forward and in bac
 strategy's own :func:`~lightning_fsdp.sharding.shard_model`, so units, activation checkpointing, resharding and
 mixed precision are the ones a real run gets.
 
+A LightningModule is planned as the Trainer runs it: ``configure_model``, sharding as a harness (its top-level models
+are the roots, as on the Trainer front), the optimizer of ``configure_optimizers``, and ``training_step(batch, 0)`` in
+place of forward.
+
 The step is the one a training loop runs in its steady state: forward; backward of the output if it is a scalar, of
 its ``.loss`` if it has one, else of its sum; one optimizer step. Steady state means the optimizer already holds its
 state (AdamW's two moments) from earlier steps, and gradients were set to ``None`` after the last step: the first
@@ -66,6 +70,12 @@ _HINTS = {
                      " `def batch(): return torch.randint(0, 50304, (8, 1024))`",
     "forward": "make the batch fit the model's forward: a tensor is passed as the one positional argument, a tuple as"
                " the positional arguments, a dict as the keyword arguments",
+    "configure_model": "make `configure_model` build the LightningModule's models without a Trainer (the planner"
+                       " calls it on its own, with no Trainer attached)",
+    "configure_optimizers": "make `configure_optimizers` return an optimizer over `self.parameters()`, e.g."
+                            " `return torch.optim.AdamW(self.parameters())`",
+    "training_step": "make the batch fit `training_step(batch, batch_idx)`: the planner passes the `--inputs` batch"
+                     " as it is, with batch_idx 0",
     "backward": "check that the output the planner backpropagates (the output if a scalar, its `.loss`, else its"
                 " sum) is differentiable",
 }
@@ -130,6 +140,7 @@ class StepStats:
     units: list[UnitStats]
     peak_phase: str  # "forward", "backward" or "optimizer step"
     peak_unit: str
+    optimizer: str = ""  # set when the model chose it: a LightningModule's `configure_optimizers`
 
 
 def run_step(
@@ -146,15 +157,24 @@ def run_step(
         mesh = build_mesh(config, device, world_size, num_nodes)
         with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             module = _fake_model(model, mode)
-            shard_model(module, config, mesh, device, config.mixed_precision or plugin.mixed_precision_policy())
-            opt = OPTIMIZERS[optimizer](module.parameters())
+            lightning_module = is_lightning_module(module)
+            if lightning_module:
+                with _running("configure_model"):
+                    module.configure_model()
+            sharded = shard_model(module, config, mesh, device,
+                                  config.mixed_precision or plugin.mixed_precision_policy(), harness=lightning_module)
+            opt = _lightning_optimizer(module) if lightning_module else OPTIMIZERS[optimizer](module.parameters())
             _create_optimizer_state(opt)
-            args, kwargs = _as_call(_fake_batch(batch, mode))
-            tracker = FSDPMemTracker(module, opt)
+            fake_batch = _fake_batch(batch, mode)
+            args, kwargs = ((fake_batch, 0), {}) if lightning_module else _as_call(fake_batch)
+            tracker = FSDPMemTracker(_tracked_root(sharded.roots, module), opt)
             tracker.track_inputs((args, kwargs))
             with tracker:
-                with plugin.forward_context(), _running("forward"):
-                    output = module(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+                # A LightningModule's step is its `training_step`, as the Trainer runs it (the strategy shards it as a
+                # harness, the same as the Trainer front does); any other module's step is its forward.
+                step = module.training_step if lightning_module else module
+                with plugin.forward_context(), _running("training_step" if lightning_module else "forward"):
+                    output = step(*plugin.convert_input(args), **plugin.convert_input(kwargs))
                 loss = _loss_of(output)
                 with _running("backward"):
                     loss.backward()
@@ -169,6 +189,45 @@ def run_step(
     return StepStats(
         peak_bytes=peak_dev["Total"], peak=_categories(peak_dev), after_step=_categories(_one_device(after)),
         units=units, peak_phase=phase, peak_unit=unit,
+        optimizer=f"{type(opt).__name__} from configure_optimizers" if lightning_module else "",
+    )
+
+
+def is_lightning_module(module: nn.Module) -> bool:
+    """A LightningModule, told by its steps (importing Lightning's Trainer package only to ask would cost seconds)."""
+    return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
+
+
+def _lightning_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``configure_optimizers`` returns, in any of the forms the Trainer accepts (an optimizer, a list or
+    tuple whose first item is one or a list of them, or a dict with ``"optimizer"``). Called after sharding, as the
+    Trainer calls it, so it is built over the sharded parameters."""
+    with _running("configure_optimizers"):
+        found = module.configure_optimizers()
+    while not isinstance(found, torch.optim.Optimizer):
+        if isinstance(found, Mapping) and "optimizer" in found:
+            found = found["optimizer"]
+        elif isinstance(found, (list, tuple)) and found:
+            found = found[0]
+        else:
+            raise PlanningError(
+                f"`{type(module).__name__}.configure_optimizers()` returned {type(found).__name__}, in which the"
+                " planner finds no optimizer. HINT: return an optimizer, e.g."
+                " `return torch.optim.AdamW(self.parameters())`, or a dict with an 'optimizer' entry.",
+                phase="configure_optimizers",
+            )
+    return found
+
+
+def _tracked_root(roots: list[nn.Module], module: nn.Module) -> nn.Module:
+    """The one FSDP root the tracker follows: the model itself, or a LightningModule's one top-level model."""
+    if len(roots) == 1:
+        return roots[0]
+    names = {id(m): n for n, m in module.named_modules()}
+    raise PlanningError(
+        f"`{type(module).__name__}` has {len(roots)} top-level models ({', '.join(names[id(r)] for r in roots)}), and"
+        " the planner follows one FSDP root. HINT: plan each model on its own (`--model` a factory that returns it),"
+        " or hold them in one module that `training_step` calls.", phase="configure_model",
     )
 
 
