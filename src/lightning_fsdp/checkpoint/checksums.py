@@ -59,7 +59,12 @@ from lightning_fsdp._compat import DCP_READER_ITEM_VIEW
 from lightning_fsdp.checkpoint.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.torch_versions import MANIFEST_KEY
-from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.safe_pickle import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    load_dcp_metadata,
+    tensor_record_paths,
+)
 from lightning_fsdp.checkpoint.tree import TreeLimitError
 from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
 
@@ -480,9 +485,12 @@ def _check_files(path: Path, files: dict[str, tuple[int, int]], shard_files: set
 
 
 def _readable_save_id(save_id_of_metadata: Callable[[], str]) -> Optional[str]:
-    """The save id in ``.metadata``, or None when its bytes do not even unpickle (damaged, not from another save)."""
+    """The save id in ``.metadata``, or None when its bytes do not even unpickle (damaged, not from another save).
+    A refusal of the allow-list is raised: a crafted file is reported as what it is."""
     try:
         return save_id_of_metadata()
+    except UnsafeCheckpointError:
+        raise
     except CheckpointError:
         return None
 
