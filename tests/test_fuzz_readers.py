@@ -505,5 +505,20 @@ def test_command_prints_one_line_and_exits_2_for_damaged_metadata(files, tmp_pat
         assert status == 2, f"{name}: exit status {status}, stderr: {err[-500:]}"
         assert len(err.strip().splitlines()) == 1 and err.startswith("lightning-fsdp: error: "), f"{name}: {err}"
         assert str(case / ".metadata") in err, f"{name}: the damaged file is not named: {err}"
-        assert "HINT:" in err and not out, f"{name}: {err}"
+        assert err.count("HINT:") == 1 and not out, f"{name}: one message, one fix: {err}"
         assert not (tmp_path / f"out{i}.pt").exists()
+
+
+def test_the_installed_command_prints_one_line_and_exits_2(files, tmp_path):
+    """The issue's reproduction as a user runs it: `python -m lightning_fsdp inspect DIR`, a process of its own."""
+    import subprocess
+    import sys
+
+    case = tmp_path / "ck"
+    shutil.copytree(files["sharded"], case)
+    (case / ".metadata").write_bytes(b"\x00garbage" * 10)
+    run = subprocess.run([sys.executable, "-m", "lightning_fsdp", "inspect", str(case)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert len(run.stderr.strip().splitlines()) == 1 and str(case / ".metadata") in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and not run.stdout
