@@ -12,6 +12,7 @@ CASES = [
     "latest_skips_corrupted_and_half_written_newest",
     "latest_in_an_empty_directory_is_an_error_on_every_rank",
     "retention_deletes_only_after_the_newer_commit",
+    "retention_is_exact_once_committed_in_both_save_modes",
 ]
 results, test_case = case_tests("resume_cases.py", 2, CASES)
 

@@ -17,6 +17,7 @@ CASES = [
     "changed_chunk_offset_in_metadata_is_refused",
     "shared_and_deep_data_load_at_once_or_are_refused",
     "metadata_cannot_change_allowed_classes",
+    "garbage_metadata_is_one_checkpoint_error_on_every_rank",
 ]
 
 results, test_case = case_tests("tamper.py", 2, CASES)

@@ -10,8 +10,8 @@ the memory of a run before launching it.
 
 It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
-path, an existing DST without ``--overwrite``, a bad option), with one line on stderr that names the problem and
-the fix; 1 when the system fails the conversion (a full disk, a permission), or when ``inspect --verify`` finds
+path, an existing DST without ``--overwrite``, a bad option, a file whose bytes do not parse), with one line on
+stderr that names the problem and the fix; 1 when the system fails the conversion (a full disk, a permission), or when ``inspect --verify`` finds
 bytes that do not match their checksums, also as one line; 130 when interrupted.
 A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
 
@@ -26,6 +26,7 @@ import json
 import sys
 from typing import Any, Callable, Optional
 
+from lightning_fsdp.checkpoint.agreement import CheckpointError
 from lightning_fsdp.checkpoint.checksums import ChecksumError, verify_checkpoint
 from lightning_fsdp.checkpoint.convert import (
     FORMATS,
@@ -48,6 +49,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = _parser().parse_args(argv)
         return args.run(args)
     except UsageError as err:
+        return _fail(str(err), 2)
+    except CheckpointError as err:  # bytes that do not parse: its message names the file and the fix
         return _fail(str(err), 2)
     except OSError as err:
         return _fail(f"{err}. HINT: check that SRC is readable and that DST's directory is writable and has free"

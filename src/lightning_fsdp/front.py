@@ -9,7 +9,7 @@ without either front listing them twice.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -94,6 +94,13 @@ class FrontMixin:
         """Block until a background save (``async_save=True``) is committed, raising its error on every rank; call
         it on every rank. An emergency save must be on disk before the process exits."""
         self._background_saves.wait(self._engine)
+
+    def after_commit(self, action: Callable[[], Any], what: str) -> None:
+        """Run ``action`` on this rank once the background save in flight, if any, is committed (at once when none
+        is; never if it fails). Retention prunes through this, so it never counts a save that is still being
+        written, and leaves exactly ``keep_last`` once every save is committed. An error of ``action`` is raised
+        on every rank by the next ``wait_for_saves``, save or load, naming ``what``."""
+        self._background_saves.after_commit(action, what)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._engine.barrier()

@@ -35,8 +35,10 @@ class StepCheckpoints:
     Args:
         fabric: the ``Fabric`` whose strategy saves and loads.
         directory: where the checkpoints go; created by the first save.
-        keep_last: keep only this many newest checkpoints (None: keep all). Older ones are deleted after the next
-            one is committed, never before (with ``async_save=True`` too), and the newest is never deleted.
+        keep_last: keep only this many newest checkpoints (None: keep all). Older ones are deleted once the newer
+            one is committed, never before: with ``async_save=True`` in the thread that commits the background save,
+            so exactly ``keep_last`` remain once every save is committed (at ``wait_for_saves``, the next save, and
+            exit). The newest committed checkpoint is never deleted.
         keep_every: also keep every checkpoint whose step is a multiple of this.
         name: the name pattern; it must end in ``{step}`` (formatted), which is how checkpoints are ordered.
         step_key: the entry of ``state`` that holds the step count, read by :meth:`save` when no step is passed.
@@ -75,11 +77,19 @@ class StepCheckpoints:
         path = self.path(step)
         self.fabric.save(path, state)
         if self.keep_last is not None:
-            comm = self.fabric.strategy.communicator
-            # Rank 0 deletes; the outcome is agreed, so a failed delete raises on every rank. A background save of
-            # `path` is not committed yet and not counted (see `checkpoint.retention`).
-            together(comm, f"Deleting old checkpoints in {str(self.directory)!r}",
-                     lambda: prune(self.directory, self.keep_last, self.keep_every) if comm.global_rank == 0 else None)
+            strategy = self.fabric.strategy
+            comm = strategy.communicator
+            what = f"Deleting old checkpoints in {str(self.directory)!r}"
+
+            def prune_once_committed() -> None:
+                # Retention counts committed checkpoints only, so it runs once `path` is one: at once after a
+                # synchronous save; after a background save, in the thread that commits it, so that exactly
+                # `keep_last` remain at `wait_for_saves`, the next save and exit (and none if that save fails).
+                strategy.after_commit(lambda: prune(self.directory, self.keep_last, self.keep_every), what)
+
+            # Rank 0 deletes; the outcome is agreed, so a failed delete raises on every rank (a deferred one: at the
+            # next wait for the background save).
+            together(comm, what, lambda: prune_once_committed() if comm.global_rank == 0 else None)
         return path
 
     def latest(self) -> Optional[Path]:

@@ -81,9 +81,15 @@ def latest_in_an_empty_directory_is_an_error_on_every_rank():
     assert StepCheckpoints(FABRIC, root).resume({"model": model, "optimizer": opt}) is None
 
 
+def _committed(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+
+
 @case
 def retention_deletes_only_after_the_newer_commit():
-    """keep_last=1 with background saves: while a newer save is in flight, the committed one stays."""
+    """keep_last=1 with background saves: while a newer save is in flight, the committed one stays; once it is
+    committed, exactly one is left (issue 26: before, the pruning ran when `save` returned and nothing pruned after
+    the commit, so `keep_last + 1` were left)."""
     root = _shared_dir(ASYNC_FABRIC, "retention")
     model, opt = _trained(ASYNC_FABRIC, 1)
     checkpoints = StepCheckpoints(ASYNC_FABRIC, root, keep_last=1)
@@ -103,20 +109,57 @@ def retention_deletes_only_after_the_newer_commit():
     ChecksumWriter.write_data = held
     try:
         state["step"] = 2
-        checkpoints.save(state)  # returns with step 2 in flight; retention has run
-        in_flight = sorted(p.name for p in root.iterdir())
+        checkpoints.save(state)  # returns with step 2 in flight
+        in_flight = _committed(root)
         release.set()
     finally:
         ChecksumWriter.write_data = original
     ASYNC_FABRIC.strategy.wait_for_saves()
-    assert "step-00000001" in in_flight and "step-00000002" not in in_flight, in_flight
+    ASYNC_FABRIC.barrier()
+    at_wait = _committed(root)
+    assert in_flight == ["step-00000001"], in_flight  # the only complete checkpoint stays while 2 is written
+    assert at_wait == ["step-00000002"], at_wait  # exactly keep_last once 2 is committed
     state["step"] = 3
     checkpoints.save(state)
     ASYNC_FABRIC.strategy.wait_for_saves()
     ASYNC_FABRIC.barrier()
-    after = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
-    assert after == ["step-00000002", "step-00000003"], after  # 1 deleted once 2 was committed; 3 just committed
-    return {"in_flight": in_flight, "after": after}
+    after = _committed(root)
+    assert after == ["step-00000003"], after
+    return {"in_flight": in_flight, "at_wait": at_wait, "after": after}
+
+
+@case
+def retention_is_exact_once_committed_in_both_save_modes():
+    """The issue's reproduction, with background and synchronous saves: keep_last=2 over steps 1-4 leaves steps 3
+    and 4 once every save is committed, whether that is seen at `wait_for_saves` or at the next save's return (which
+    waits for the one before); keep_every=2 with keep_last=1 over steps 1-5 leaves 2, 4 and 5."""
+    report = {}
+    for label, fabric in (("async", ASYNC_FABRIC), ("sync", FABRIC)):
+        model, opt = _trained(fabric, 1)
+        root = _shared_dir(fabric, f"exact-{label}")
+        checkpoints = StepCheckpoints(fabric, root, keep_last=2)
+        seen = []
+        for step in range(1, 5):
+            checkpoints.save({"model": model, "optimizer": opt, "step": step})
+            fabric.barrier()
+            # At each save's return, every earlier save is committed and pruned: never fewer than one complete
+            # checkpoint, never more than keep_last committed ones.
+            seen.append(_committed(root))
+        fabric.strategy.wait_for_saves()
+        fabric.barrier()
+        final = _committed(root)
+        assert final == ["step-00000003", "step-00000004"], (label, final, seen)
+        assert all(1 <= len(names) <= 2 for names in seen[1:]), (label, seen)
+        every_root = _shared_dir(fabric, f"every-{label}")
+        every = StepCheckpoints(fabric, every_root, keep_last=1, keep_every=2)
+        for step in range(1, 6):
+            every.save({"model": model, "optimizer": opt, "step": step})
+        fabric.strategy.wait_for_saves()
+        fabric.barrier()
+        kept = _committed(every_root)
+        assert kept == ["step-00000002", "step-00000004", "step-00000005"], (label, kept)
+        report[label] = {"seen": seen, "final": final, "keep_every": kept}
+    return report
 
 
 if __name__ == "__main__":

@@ -309,5 +309,32 @@ def metadata_cannot_change_allowed_classes():
     return report
 
 
+@case
+def garbage_metadata_is_one_checkpoint_error_on_every_rank():
+    """Issue 26: `.metadata` overwritten with garbage. Before, the allow-list unpickler's `KeyError: 0` reached every
+    rank as `KeyError: "Reading the metadata of ... failed on rank 0: 0"`; now a `CheckpointError` naming the file."""
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    root = shared_tmpdir(fabric)
+    damaged = root / "damaged"
+    fabric.save(damaged, {"model": model, "optimizer": opt})
+    if fabric.global_rank == 0:
+        (damaged / ".metadata").write_bytes(b"\x00garbage" * 10)
+    fabric.barrier()
+    kinds = [_refused_everywhere(fabric, "garbage .metadata", load, [damaged / ".metadata"])
+             for load in (lambda: _load_fresh(fabric, damaged),
+                          lambda: fabric.load_raw(damaged, _setup(fabric, seed=3)[0]))]
+    # The same type on every rank (checked above), and a kind of CheckpointError: ChecksumError here, since the
+    # checksums recorded at save are what tells the damage first.
+    assert all(kind.split(":")[0] in ("CheckpointError", "ChecksumError") for kind in kinds), kinds
+    if fabric.global_rank == 0:
+        for argv in (["inspect", str(damaged)], ["convert", str(damaged), str(root / "out.pt"), "--to", "full"]):
+            status, out, err = _cli(*argv)
+            assert status == 2 and len(err.strip().splitlines()) == 1, (argv, status, err)
+            assert str(damaged / ".metadata") in err and "HINT:" in err and not out, (argv, err)
+    fabric.barrier()
+    return kinds
+
+
 if __name__ == "__main__":
     run_cases()

@@ -70,5 +70,40 @@ def save_top_k_waits_for_the_commit():
     return look.seen
 
 
+@case
+def save_top_k_leaves_exactly_k_in_both_save_modes():
+    """``ModelCheckpoint(save_top_k=2)`` over 5 steps leaves exactly the 2 best (here: the newest, monitoring the
+    step) once fit returns, with background and synchronous saves; each background write is held a moment, so a
+    removal that ran before the commit of the save superseding it, or one lost when it was queued, would show."""
+    original = ChecksumWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(0.2)
+        return original(self, plan, planner)
+
+    report = {}
+    for label, background in (("async", True), ("sync", False)):
+        ChecksumWriter.write_data = slow if background else original
+        directory = Path(os.environ["LFSDP_TEST_OUT"]) / f"top-k-{label}"
+        look = Look(directory)
+        checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=2, every_n_train_steps=1, monitor="step",
+                                     mode="max")
+        trainer = Trainer(accelerator="cpu", devices=2, max_steps=5,
+                          strategy=FSDPStrategy(state_dict_type="sharded", async_save=background, timeout=TIMEOUT),
+                          callbacks=[checkpoint, look], logger=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+        trainer.fit(Lit())
+        ChecksumWriter.write_data = original
+        trainer.strategy.barrier()
+        left = sorted(p.name for p in directory.iterdir())
+        steps = sorted(int(name.split("step=")[1].split(".")[0]) for name in left)
+        assert steps == [4, 5] and all(is_sharded_checkpoint(directory / n) for n in left), (label, left)
+        # `seen[i]` is the disk after step i-1's save (the first may still be in flight at seen[1]): from the second
+        # save on, a committed checkpoint is always there, and never more than k.
+        assert len(look.seen) == 5 and all(1 <= len(names) <= 2 for names in look.seen[2:]), (label, look.seen)
+        report[label] = {"left": left, "seen": look.seen}
+    return report
+
+
 if __name__ == "__main__":
     run_cases()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
 
-__all__ = ["Communicator", "CheckpointError", "together", "os_error_in"]
+__all__ = ["Communicator", "CheckpointError", "unreadable", "together", "os_error_in"]
 
 T = TypeVar("T")
 
@@ -36,11 +36,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be read or written; raised on every rank alike."""
 
 
+def unreadable(path: Any, cause: BaseException) -> CheckpointError:
+    """The one error for bytes that do not parse as the checkpoint file ``path`` should be: every reader of
+    checkpoint bytes (``.metadata``, ``meta.pt``, a full file, ``checksums.json``, a safetensors header) raises it
+    for whatever it was handed, so a damaged file is named as such instead of surfacing as the parser's
+    ``KeyError``, ``struct.error`` or ``EOFError``. Chain it to ``cause`` (``raise unreadable(path, err) from err``)."""
+    lines = str(cause).strip().splitlines()
+    detail = f"{type(cause).__name__}: {lines[0][:200]}" if lines else type(cause).__name__
+    return CheckpointError(f"{str(path)!r} could not be read: it is damaged, truncated or not the file a checkpoint"
+                           f" save writes ({detail}). HINT: load an earlier checkpoint, or save this one again.")
+
+
 def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
     """Run ``step`` on this rank; if it fails on any rank, raise on every rank.
 
     Every rank raises the same exception: the failing rank's type when it is a built-in one (so
-    ``except IsADirectoryError`` works everywhere, and an ``OSError`` keeps its ``errno``), else ``CheckpointError``;
+    ``except IsADirectoryError`` works everywhere, and an ``OSError`` keeps its ``errno``) or a kind of
+    ``CheckpointError`` (``ChecksumError``, ``UnsafeCheckpointError``), else ``CheckpointError``;
     the message says what was being done, which rank failed and why. The failing rank chains its original exception.
     """
     result: Optional[T] = None
@@ -55,13 +67,24 @@ def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
     if first is None:
         return result  # type: ignore[return-value]
     _, (origin, type_name, message, errno) = first
-    kind = getattr(builtins, type_name, None)
+    kind = getattr(builtins, type_name, None) or _checkpoint_error_kind(type_name)
     text = f"{what} failed on rank {origin}: {message}"
     if isinstance(kind, type) and issubclass(kind, OSError) and errno is not None:
         raise OSError(errno, text) from mine  # OSError picks the subclass for the errno (FileNotFoundError, ...)
     if isinstance(kind, type) and issubclass(kind, Exception) and kind is not RuntimeError:
         raise kind(text) from mine
     raise CheckpointError(f"{text} ({type_name})") from mine
+
+
+def _checkpoint_error_kind(type_name: str) -> Optional[type]:
+    """The kind of ``CheckpointError`` called ``type_name`` (the failing rank's type arrives as its name)."""
+    kinds: list[type] = [CheckpointError]
+    while kinds:
+        kind = kinds.pop()
+        if kind.__name__ == type_name:
+            return kind
+        kinds.extend(kind.__subclasses__())
+    return None
 
 
 def _report(err: BaseException, rank: int) -> tuple[int, str, str, Optional[int]]:

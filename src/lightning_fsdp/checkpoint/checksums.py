@@ -56,10 +56,15 @@ import xxhash
 from torch.futures import Future
 
 from lightning_fsdp._compat import DCP_READER_ITEM_VIEW
-from lightning_fsdp.checkpoint.agreement import CheckpointError
+from lightning_fsdp.checkpoint.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.torch_versions import MANIFEST_KEY
-from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.safe_pickle import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    load_dcp_metadata,
+    tensor_record_paths,
+)
 from lightning_fsdp.checkpoint.tree import TreeLimitError
 from lightning_fsdp.checkpoint.write_errors import RecordingFileSystem, WriteRecorder
 
@@ -364,6 +369,7 @@ class _Manifest:
     items: dict[tuple[str, int], tuple[int, int, str]]
     new_hasher: Callable[[int], Any]
     seed: int
+    file: Path  # checksums.json: a mismatch means that the data, or this record of it, changed
 
     def hasher(self) -> Any:
         return self.new_hasher(self.seed)
@@ -378,22 +384,17 @@ def _read_manifest(path: Path, metadata: Any = None) -> Optional[_Manifest]:
 
     def save_id_of_metadata() -> str:
         loaded = load_dcp_metadata(dcp_metadata) if metadata is None else metadata
-        return getattr(getattr(loaded, "storage_meta", None), "save_id", None) or ""
+        save_id = getattr(getattr(loaded, "storage_meta", None), "save_id", None)
+        return save_id if isinstance(save_id, str) else ""
 
     file = path / CHECKSUMS_FILENAME
     if not file.is_file():
         if save_id_of_metadata().startswith(SAVE_ID_PREFIX):
             raise ChecksumError(f"{str(file)!r} is missing, though {str(path)!r} was saved with checksums.{_HINT}")
         return None
-    try:
-        manifest = json.loads(file.read_text())
-        save_id, items = manifest["save_id"], manifest["items"]
-        algorithm = manifest.get("algorithm", "crc32")
-        table = {(f, o): (n, c, name) for f, o, n, c, name in items}
-        files = manifest.get("files")
-        files = None if files is None else {str(k): (int(v[0]), int(v[1])) for k, v in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        raise ChecksumError(f"{str(file)!r} is not readable ({err}).{_HINT}") from err
+    manifest = _parse_manifest(file)
+    save_id, algorithm, files = manifest["save_id"], manifest.get("algorithm", "crc32"), manifest.get("files")
+    table = {(f, o): (n, c, name) for f, o, n, c, name in manifest["items"]}
     new_hasher = _hasher_factory(algorithm, str(file))
     seed = _ALGORITHMS[algorithm][0](str(save_id))
     if files is not None:
@@ -405,7 +406,48 @@ def _read_manifest(path: Path, metadata: Any = None) -> Optional[_Manifest]:
                             f" saved with them (it was edited, or replaced by an older manifest).{_HINT}")
     if save_id_of_metadata() != save_id:
         raise _other_save(path)
-    return _Manifest(table, new_hasher, seed)
+    return _Manifest(table, new_hasher, seed, file)
+
+
+def _parse_manifest(file: Path) -> dict[str, Any]:
+    """``checksums.json``, with every field of the type a save writes; ``ChecksumError`` naming it otherwise."""
+    try:
+        manifest = json.loads(file.read_bytes())
+    except (ValueError, RecursionError) as err:  # not JSON (UnicodeDecodeError is a ValueError), or nested absurdly
+        raise ChecksumError(f"{str(file)!r} is not readable ({type(err).__name__}: {str(err)[:200]}).{_HINT}") from err
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ChecksumError(f"{str(file)!r} is not readable ({problem}).{_HINT}")
+    files = manifest.get("files")
+    if files is not None:
+        manifest["files"] = {name: (size, digest) for name, (size, digest) in files.items()}
+    return manifest
+
+
+def _manifest_problem(manifest: Any) -> str:
+    if not isinstance(manifest, dict):
+        return f"it holds a {type(manifest).__name__}, not an object"
+    if not isinstance(manifest.get("save_id"), str):
+        return "its save_id is not a string"
+    if not isinstance(manifest.get("algorithm", "crc32"), str):
+        return "its algorithm is not a string"
+    items = manifest.get("items")
+    if not isinstance(items, list):
+        return "its items are not a list"
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str) and isinstance(item[4], str)
+                and all(_count(v) for v in item[1:4])):
+            return f"the item {str(item)[:100]} is not [file, offset, length, digest, name]"
+    files = manifest.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v) for v in files.values())):
+        return "its files are not {name: [size, digest]}"
+    return ""
+
+
+def _count(value: Any) -> bool:
+    """An offset, a length or a digest as a save records it: a non-negative int of at most 64 bits."""
+    return type(value) is int and 0 <= value < 2**64
 
 
 def _other_save(path: Path) -> ChecksumError:
@@ -430,15 +472,27 @@ def _check_files(path: Path, files: dict[str, tuple[int, int]], shard_files: set
         if not where.is_file():
             raise ChecksumError(f"{str(where)!r} is missing, though the checkpoint was saved with it.{_HINT}")
         if tuple(_whole_file_digest(where, new_hasher)) != files[name]:
-            if name == DCP_METADATA_FILENAME and save_id_of_metadata() != save_id:
+            if name == DCP_METADATA_FILENAME and _readable_save_id(save_id_of_metadata) not in (save_id, None):
                 raise _other_save(path)
-            raise ChecksumError(f"{str(where)!r} does not match the checksum recorded when the checkpoint was saved"
-                                f" (damaged, or copied in from another checkpoint).{_HINT}")
+            raise ChecksumError(f"{str(where)!r} does not match the checksum recorded in"
+                                f" {str(path / CHECKSUMS_FILENAME)!r} when the checkpoint was saved (one of the two is"
+                                f" damaged, or copied in from another checkpoint).{_HINT}")
     for entry in sorted(os.listdir(path)):
         if entry.endswith(".distcp") and entry not in shard_files:
             raise ChecksumError(f"{str(path / entry)!r} is not part of the checkpoint: its save wrote no such shard"
                                 " file (e.g. it was copied in from a checkpoint saved on more ranks). HINT: move it"
                                 " out of the checkpoint directory.")
+
+
+def _readable_save_id(save_id_of_metadata: Callable[[], str]) -> Optional[str]:
+    """The save id in ``.metadata``, or None when its bytes do not even unpickle (damaged, not from another save).
+    A refusal of the allow-list is raised: a crafted file is reported as what it is."""
+    try:
+        return save_id_of_metadata()
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:
+        return None
 
 
 def check_files(path: Union[str, Path]) -> bool:
@@ -455,9 +509,10 @@ class _ItemCheck:
         recorded = manifest.items.get((sinfo.relative_path, sinfo.offset))
         if recorded is None:
             raise ChecksumError(f"{self.where!r} has no recorded checksum for the item at byte {sinfo.offset}; the"
-                                f" checkpoint's .metadata and {CHECKSUMS_FILENAME} disagree.{_HINT}")
+                                f" checkpoint's .metadata and {str(manifest.file)!r} disagree.{_HINT}")
         self.length, self.digest, self.name = recorded
         self.offset = sinfo.offset
+        self.manifest = str(manifest.file)
         if sinfo.length != self.length:
             self._mismatch()
         self.hasher = manifest.hasher()
@@ -472,8 +527,8 @@ class _ItemCheck:
 
     def _mismatch(self) -> None:
         raise ChecksumError(f"{self.where!r} is corrupted: the bytes of the tensor {self.name!r} do not match the"
-                            " checksum recorded when the checkpoint was saved (damaged, or copied from another"
-                            f" checkpoint).{_HINT}")
+                            f" checksum recorded in {self.manifest!r} when the checkpoint was saved (one of the two is"
+                            f" damaged, or copied from another checkpoint).{_HINT}")
 
 
 # A read at least this large is hashed from the reader's own buffer as it arrives: torch reads a tensor's bytes in
@@ -760,13 +815,27 @@ def verify_zip(path: Union[str, Path]) -> bool:
     """Check every record of a ``torch.save`` file from the file; False when it records no checksums
     (a ``torch.save`` with ``torch.serialization.set_crc32_options(False)``)."""
     path = Path(path)
-    with open(path, "rb", buffering=0) as file, zipfile.ZipFile(file) as archive:
+    with _archive(path) as (file, archive):
         records = _records(archive, path)
         if records is None:
             return False
         for record in records:
             _check_record(path, archive, file, record)
     return True
+
+
+@contextmanager
+def _archive(path: Path) -> Iterator[tuple[IO[bytes], zipfile.ZipFile]]:
+    """The open file and zip archive at ``path``. Bytes that are no zip archive (a truncated file, a damaged
+    directory) raise ``CheckpointError`` naming the file, whatever the zip reader raised for them."""
+    with open(path, "rb", buffering=0) as file:
+        try:
+            with zipfile.ZipFile(file) as archive:
+                yield file, archive
+        except (CheckpointError, TreeLimitError):  # they name the file already
+            raise
+        except Exception as err:  # noqa: BLE001 - BadZipFile, struct.error, EOFError, NotImplementedError, ...
+            raise unreadable(path, err) from err
 
 
 def verify_loaded(path: Union[str, Path], contents: Any) -> bool:
@@ -806,7 +875,7 @@ class LoadVerifier:
     @classmethod
     def open(cls, path: Union[str, Path], contents: Any) -> "LoadVerifier":
         path = Path(path)
-        with open(path, "rb", buffering=0) as file, zipfile.ZipFile(file) as archive:
+        with _archive(path) as (file, archive):
             records = _records(archive, path)
             mapped = _mapped_storages(archive, file, records, contents, repr(str(path))) if records else {}
         return cls(path, records, mapped)
@@ -835,7 +904,7 @@ class LoadVerifier:
         """Check every record :meth:`check` did not see; raise :class:`ChecksumError` for the first mismatch."""
         if not self._pending and not self._failed:
             return
-        with open(self.path, "rb", buffering=0) as file, zipfile.ZipFile(file) as archive:
+        with _archive(self.path) as (file, archive):
             for key in self._failed:
                 raise ChecksumError(f"{str(self.path)!r} is corrupted: {_record_name(archive, key)} does not match"
                                     f" the checksum recorded when it was saved.{_HINT}")

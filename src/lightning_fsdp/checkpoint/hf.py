@@ -20,11 +20,12 @@ an index entry outside the directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -39,7 +40,7 @@ from torch.futures import Future
 from torch.nn import Module
 
 from lightning_fsdp.checkpoint import hf_checks
-from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator, together, unreadable
 from lightning_fsdp.checkpoint.safetensors_stream import DTYPE_NAMES
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
@@ -172,15 +173,19 @@ class _SafetensorsReader(HuggingFaceStorageReader):
 
         # torch's reader trusts the sharding info; check it first, so a bad one is an error naming the file.
         for name in self.fs.ls(self.path):
-            with safe_open(name, framework="pt") as file:
-                header = file.metadata()
-                slices = {key: file.get_slice(key) for key in file.keys()}
-                hf_checks.check_sharding_info(name, header, {key: s.get_shape() for key, s in slices.items()})
-                for key, piece in slices.items():
-                    self.holders[key][name] = _stored_dtype(name, key, piece.get_dtype())
+            with _header_of(name):  # safetensors checks the header's length, JSON and offsets against the file
+                with safe_open(name, framework="pt") as file:
+                    header = file.metadata()
+                    slices = {key: file.get_slice(key) for key in file.keys()}
+                    shapes = {key: s.get_shape() for key, s in slices.items()}
+                    dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
+            hf_checks.check_sharding_info(name, header, shapes)
+            for key, dtype in dtypes.items():
+                self.holders[key][name] = _stored_dtype(name, key, dtype)
             if header and header.get(hf_checks.SHARDING_INFO_KEY):
                 self.placed.add(name)
-        return super().read_metadata()
+        with _header_of(self.path):  # torch parses the headers again, once safetensors has found them sound
+            return super().read_metadata()
 
     def read_data(self, plan: Any, planner: Any) -> Future:
         from safetensors import safe_open
@@ -204,6 +209,18 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+@contextlib.contextmanager
+def _header_of(path: Any) -> Iterator[None]:
+    """A safetensors header that does not parse (the safetensors library's ``SafetensorError``, or torch's own
+    parse failing) is one ``CheckpointError`` naming the file."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        raise
+    except Exception as err:  # noqa: BLE001 - SafetensorError, json's and struct's errors, ...
+        raise unreadable(path, err) from err
 
 
 def _stored_dtype(file: str, tensor: str, name: str) -> torch.dtype:

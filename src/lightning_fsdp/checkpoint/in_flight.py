@@ -5,7 +5,9 @@ Two things would otherwise act as if the save were done when it is not:
 - **Removals.** ``ModelCheckpoint(save_top_k=1)`` removes the checkpoint of step 1 as soon as the save of step 2
   returns, which for a background save is before step 2 is written. Killed in between, the job would leave no
   checkpoint at all. :class:`DeferredRemovals` holds such a removal until the save in flight is committed, and drops
-  it if that save fails: a checkpoint is only removed once the one that supersedes it is in place.
+  it if that save fails: a checkpoint is only removed once the one that supersedes it is in place. Retention's
+  pruning (``StepCheckpoints(keep_last=...)``) is deferred the same way, and runs as soon as the commit is done, so
+  exactly ``keep_last`` remain once every save is committed (at ``wait_for_saves``, the next save, and exit).
 - **The end of the process.** A script's last background save is otherwise never waited for: its error would only be
   raised by a later save, load or teardown, and a script ends without one, so a save that failed (a full disk) ended
   with exit status 0 and no checkpoint. At exit, :func:`track`'ed saves are finished, agreed across ranks, and a
@@ -20,7 +22,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -38,17 +40,18 @@ def remove_checkpoint(path: Path) -> None:
 
 
 class DeferredRemovals:
-    """Checkpoint removals that wait for the save in flight (rank 0, where the files are removed).
+    """Checkpoint removals, and other actions (retention's pruning), that wait for the save in flight (rank 0, where
+    the files are removed).
 
-    States: no save outstanding, or its commit done (a removal happens at once); a save writing (removals queue up,
-    and run right after its commit, in the thread that commits); the save failed (removals are dropped, and stay
-    dropped until the failure has been reported by ``settle``, so the checkpoints they name are kept).
+    States: no save outstanding, or its commit done (an action runs at once); a save writing (actions queue up, and
+    run right after its commit, in the thread that commits); the save failed (actions are dropped, and stay dropped
+    until the failure has been reported by ``settle``, so the checkpoints they would remove are kept).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state = "idle"  # "idle" | "writing" | "failed"
-        self._queued: list[Path] = []
+        self._queued: list[tuple[Callable[[], Any], str]] = []
         self._error: Optional[BaseException] = None
 
     def hold(self) -> None:
@@ -57,24 +60,30 @@ class DeferredRemovals:
             self._state, self._queued, self._error = "writing", [], None
 
     def remove(self, path: Path) -> None:
+        self.defer(lambda: remove_checkpoint(path), f"Removing the superseded checkpoint {str(path)!r}")
+
+    def defer(self, action: Callable[[], Any], what: str) -> None:
+        """Run ``action`` once the save in flight is committed: at once when none is, never when it failed.
+        ``what`` names it in the error it may raise."""
         with self._lock:
             if self._state == "writing":
-                self._queued.append(path)
+                self._queued.append((action, what))
                 return
             if self._state == "failed":
-                return  # what it names may be the newest checkpoint there is
-        remove_checkpoint(path)
+                return  # what it would remove may be the newest checkpoint there is
+        action()
 
     def committed(self) -> None:
-        """The save is in place: run the removals it superseded (an error is reported by ``settle``)."""
+        """The save is in place: run the actions it superseded (an error is reported by ``settle``)."""
         with self._lock:
             queued, self._queued, self._state = self._queued, [], "idle"
-        for path in queued:
+        for action, what in queued:
             try:
-                remove_checkpoint(path)
+                action()
             except OSError as err:
-                self._error = self._error or OSError(
-                    err.errno, f"Removing the superseded checkpoint {str(path)!r} failed: {err.strerror}")
+                self._error = self._error or OSError(err.errno, f"{what} failed: {err.strerror}")
+            except Exception as err:  # noqa: BLE001 - reported by `settle`, on every rank
+                self._error = self._error or err
 
     def failed(self) -> None:
         with self._lock:

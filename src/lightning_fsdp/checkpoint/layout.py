@@ -24,8 +24,11 @@ def is_full_checkpoint(path: Path) -> bool:
     """A file that ``torch.save`` wrote: a zip archive with a pickled ``data.pkl`` record."""
     if not path.is_file() or not zipfile.is_zipfile(path):
         return False
-    with zipfile.ZipFile(path) as archive:
-        return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):  # a damaged archive is not one
+        return False
 
 
 def foreign_entries(path: Path) -> list[str]:

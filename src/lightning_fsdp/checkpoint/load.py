@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp._compat import weights_only_hint
 from lightning_fsdp.checkpoint import atomic, checksums, hf
-from lightning_fsdp.checkpoint.agreement import Communicator, together
+from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator, together
 from lightning_fsdp.checkpoint import fit
 from lightning_fsdp.checkpoint.latest import resolve_latest
 from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
@@ -129,7 +129,7 @@ def _detect(source: Path) -> bool:
             " `lightning_fsdp.load_pretrained(model, path)`."
         )
     if source.is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{str(source)!r} is not a torch.save zip archive, so it is not a full checkpoint; it may be truncated or"
             " corrupted. HINT: load an earlier checkpoint, or re-create this one."
         )
@@ -195,11 +195,9 @@ def _load_full(
 
     def open_file() -> None:
         if comm.global_rank == 0:  # only rank 0 reads the file, so only rank 0 checks it
-            try:
-                loaded = _torch_load(source, weights_only)  # memory-mapped: no tensor byte is read yet
-            except Exception:
-                checksums.verify_zip(source)  # a damaged file can fail to parse: report the damage, if that is it
-                raise
+            # Memory-mapped: no tensor byte is read yet. A file that fails to parse is checked against its zip
+            # records' checksums by the reader, which names the damage if that is the cause.
+            loaded = _torch_load(source, weights_only)
             # Checked as the broadcasts below read each tensor, in the same mapping (see LoadVerifier).
             verifiers.append(checksums.LoadVerifier.open(source, loaded))
             if not verifiers[0].recorded:
@@ -384,6 +382,8 @@ def _dcp_top_level_keys(path: Path, weights_only: bool) -> set[str]:
 def _torch_load(path: Path, weights_only: bool) -> Any:
     try:
         return load_file(path, allow_pickle=not weights_only)
+    except (CheckpointError, OSError):  # damaged bytes (named by the reader), a missing file
+        raise
     except Exception as err:
         if weights_only and "weights_only" in str(err):
             raise RuntimeError(
@@ -391,4 +391,4 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
                 " code. HINT: if you trust this file, pass `weights_only=False`, e.g."
                 f" {weights_only_hint()}."
             ) from err
-        raise RuntimeError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err
+        raise CheckpointError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err

@@ -31,10 +31,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_fsdp.checkpoint.checksums import ChecksumError, VerifyingReader, check_files
+from lightning_fsdp.checkpoint.agreement import CheckpointError
+from lightning_fsdp.checkpoint.checksums import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.memory import return_freed_memory
-from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_file
+from lightning_fsdp.checkpoint.safe_pickle import load_file
 from lightning_fsdp.checkpoint.tree import MAX_DEPTH, TreeLimitError, leaves, map_leaves
 from lightning_fsdp.checkpoint.torch_versions import NewerTorchFormatError
 
@@ -285,8 +286,8 @@ def _reading(path: Path) -> Iterator[None]:
         yield
     except UsageError:
         raise
-    # Their messages name the file and the fix.
-    except (UnsafeCheckpointError, ChecksumError, TreeLimitError, NewerTorchFormatError) as err:
+    # Their messages name the file and the fix (every reader of checkpoint bytes raises a CheckpointError so).
+    except (CheckpointError, TreeLimitError, NewerTorchFormatError) as err:
         raise UsageError(str(err)) from err
     except (RuntimeError, ValueError, EOFError, AssertionError, pickle.UnpicklingError) as err:
         lines = str(err).strip().splitlines()

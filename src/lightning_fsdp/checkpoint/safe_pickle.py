@@ -11,6 +11,13 @@ unless the user opted in (``weights_only=False``, CLI ``--allow-pickle``):
   :func:`load_bytes`, i.e. ``torch.load(weights_only=True)``, torch's own allow-list unpickler.
 - :func:`tensor_record_paths` and :func:`tensor_record_names` read a ``torch.save`` index without constructing
   anything, to find tensors and name them in errors.
+
+Whatever bytes these readers are handed, they return a well-formed object or raise a ``CheckpointError`` that names
+the file (:func:`~.agreement.unreadable`): unknown opcodes, truncation, stack underflow, memo misses and the like
+surface from the unpickler as any of a dozen exception types, and are turned into that one error here, at the
+boundary, never at the call sites. A length field larger than the file reads no more than the file holds: the
+``.metadata`` is read into memory first (it is small: 593 kB for 3,000 tensors), and an in-memory stream allocates
+only what it returns.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from lightning_fsdp._compat import TORCH_SAVE_REBUILD_TENSOR, DCPStorageInfo, get_layout, weights_only_hint
+from lightning_fsdp.checkpoint.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.torch_versions import explain_unreadable_metadata
 from lightning_fsdp.checkpoint.tree import map_leaves
 
@@ -42,8 +50,11 @@ HINT = (f" HINT: if you trust this checkpoint, allow full unpickling explicitly:
         " line: `--allow-pickle`).")
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file names an object that unpickling would have to construct or call, outside the allow-list."""
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint file names an object that unpickling would have to construct or call, outside the allow-list.
+
+    A kind of ``CheckpointError`` (a file that cannot be read as it is) and of ``UnpicklingError`` (what torch's own
+    ``weights_only`` refusal raises)."""
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
@@ -160,18 +171,69 @@ class _AllowListUnpickler(pickle._Unpickler):
 
 
 def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False) -> Any:
-    """Unpickle DCP's ``.metadata`` at ``path`` with the allow-list (plain pickle only with ``allow_pickle``)."""
+    """Unpickle DCP's ``.metadata`` at ``path`` with the allow-list (plain pickle only with ``allow_pickle``).
+
+    Returns a DCP ``Metadata`` whose tables have the types DCP's readers rely on; raises ``CheckpointError`` naming
+    the file for any other bytes (see the module docstring)."""
     unpickler, args = (pickle.Unpickler, ()) if allow_pickle else (_AllowListUnpickler, (repr(str(path)),))
-    with open(path, "rb") as file:
-        try:
-            return unpickler(file, *args).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception:
-            # A newer torch's format fails inside torch's own classes ("too many values to unpack"): name the torch
-            # that wrote the file and the one needed, instead (raises if that is the cause).
-            explain_unreadable_metadata(Path(path), unpickler, *args)
-            raise
+    data = Path(path).read_bytes()  # an OSError (missing, unreadable) stays one: it is not about the bytes
+    try:
+        metadata = unpickler(io.BytesIO(data), *args).load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any parse failure of these bytes: KeyError, struct.error, EOFError...
+        # A newer torch's format fails inside torch's own classes ("too many values to unpack"): name the torch that
+        # wrote the file and the one needed, instead (raises if that is the cause).
+        explain_unreadable_metadata(Path(path), data, unpickler, *args)
+        raise unreadable(path, err) from err
+    problem = _metadata_problem(metadata)
+    if problem:
+        raise unreadable(path, TypeError(problem))
+    return metadata
+
+
+def _metadata_problem(metadata: Any) -> str:
+    """What in an unpickled ``.metadata`` is not of the type DCP wrote (and its readers index), or ''."""
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        return f"it holds a {type(metadata).__name__}, not DCP's Metadata"
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        return "its state_dict_metadata is not a dict"
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(name, str):
+            return f"it names an entry {name!r}, not a string"
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            # A BUILD whose state lost a field leaves the instance without that attribute: getattr, not `.`.
+            properties, size, chunks = (getattr(entry, field, None) for field in ("properties", "size", "chunks"))
+            if not (isinstance(properties, dcp_metadata.TensorProperties)
+                    and isinstance(getattr(properties, "dtype", None), torch.dtype)
+                    and _sizes(size) and isinstance(chunks, list)
+                    and all(isinstance(c, dcp_metadata.ChunkStorageMetadata) and _sizes(getattr(c, "offsets", None))
+                            and _sizes(getattr(c, "sizes", None)) and len(c.offsets) == len(c.sizes) == len(size)
+                            for c in chunks)):
+                return f"the tensor entry {name!r} is malformed"
+        elif not isinstance(entry, dcp_metadata.BytesStorageMetadata):
+            return f"the entry {name!r} is a {type(entry).__name__}"
+    storage = getattr(metadata, "storage_data", None)
+    if storage is not None:
+        if not isinstance(storage, dict):
+            return "its storage_data is not a dict"
+        for index, info in storage.items():
+            if not (isinstance(index, dcp_metadata.MetadataIndex) and isinstance(getattr(index, "fqn", None), str)
+                    and isinstance(info, DCPStorageInfo) and isinstance(getattr(info, "relative_path", None), str)
+                    and _count(getattr(info, "offset", None)) and _count(getattr(info, "length", None))):
+                return f"the storage record {index!r} is malformed"
+    if getattr(metadata, "storage_meta", None) is not None and not isinstance(metadata.storage_meta,
+                                                                                dcp_metadata.StorageMeta):
+        return "its storage_meta is not DCP's StorageMeta"
+    return ""
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _sizes(value: Any) -> bool:
+    return isinstance(value, (torch.Size, tuple, list)) and all(_count(v) for v in value)
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -197,8 +259,35 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def load_file(path: Union[str, Path], *, allow_pickle: bool = False, mmap: bool = True) -> Any:
-    """``torch.load`` a checkpoint file: torch's allow-list (``weights_only=True``) unless ``allow_pickle``."""
-    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not allow_pickle)
+    """``torch.load`` a checkpoint file: torch's allow-list (``weights_only=True``) unless ``allow_pickle``.
+
+    Raises ``CheckpointError`` naming the file for bytes that do not parse (``ChecksumError`` where the archive's
+    own checksums show the damage); torch's ``weights_only`` refusal stays an ``UnpicklingError``, which the
+    callers turn into the hint to allow unpickling."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not allow_pickle)
+    except (OSError, CheckpointError):
+        raise
+    except Exception as err:  # noqa: BLE001 - any parse failure of these bytes
+        if Path(path).is_dir():  # torch's message for a directory; not about bytes
+            raise
+        _raise_if_damaged(Path(path), err)
+        if isinstance(err, pickle.UnpicklingError) and not allow_pickle:
+            raise  # a refusal of the allow-list, in bytes that are as saved
+        raise unreadable(path, err) from err
+
+
+def _raise_if_damaged(path: Path, err: BaseException) -> None:
+    """After ``torch.load`` failed on ``path``: raise ``ChecksumError`` if its zip records do not match their
+    checksums, ``CheckpointError`` if it is not even a zip archive; return when its bytes are as saved."""
+    from lightning_fsdp.checkpoint.checksums import verify_zip  # checksums reads files through this module
+
+    try:
+        verify_zip(path)
+    except CheckpointError:
+        raise
+    except Exception as damage:  # noqa: BLE001 - no readable zip archive at all
+        raise unreadable(path, err) from damage
 
 
 def load_bytes(payload: bytes, *, allow_pickle: bool = False) -> Any:

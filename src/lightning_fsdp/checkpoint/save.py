@@ -224,7 +224,8 @@ class AsyncSaves:
     - When the write finishes, rank 0 moves the checkpoint into place from the background thread.
     - ``wait`` (called by the next save, load and teardown, and at process exit) blocks until then and raises the
       background error, if any, on every rank: it is never swallowed (see `.in_flight`).
-    - ``remove`` removes a checkpoint only once the save in flight is committed (see `.in_flight`).
+    - ``remove`` removes a checkpoint only once the save in flight is committed (see `.in_flight`), and
+      ``after_commit`` runs retention's pruning then.
     """
 
     def __init__(self) -> None:
@@ -303,3 +304,9 @@ class AsyncSaves:
         """Remove the checkpoint at ``path`` (on rank 0, where it is called), once the save in flight, if any, is
         committed; never if that save fails."""
         self._removals.remove(path)
+
+    def after_commit(self, action: Callable[[], Any], what: str) -> None:
+        """Run ``action`` (on the rank that calls this) once the save in flight, if any, is committed: at once when
+        none is, in the committing thread otherwise, never if that save fails. Its error is raised by ``wait``, on
+        every rank, naming ``what``."""
+        self._removals.defer(action, what)

@@ -15,6 +15,7 @@ fail with a bare "too many values to unpack". So:
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from pathlib import Path
@@ -51,12 +52,13 @@ def recorded_torch_version(path: Path) -> Optional[str]:
     return version if isinstance(version, str) else None
 
 
-def explain_unreadable_metadata(path: Path, unpickler: type[pickle.Unpickler], *args: Any) -> None:
+def explain_unreadable_metadata(path: Path, data: bytes, unpickler: type[pickle.Unpickler], *args: Any) -> None:
     """After unpickling the ``.metadata`` at ``path`` failed: raise :class:`NewerTorchFormatError` if it holds
     ``TensorProperties`` states newer than this torch reads; return (and let the caller re-raise) otherwise.
 
-    ``unpickler(file, *args)`` is the unpickler that failed (with its allow-list, if any), so this second pass
-    imports nothing the first would not have; only ``TensorProperties`` is swapped for a recorder of state lengths."""
+    ``unpickler(file, *args)`` is the unpickler that failed on ``data``, the file's bytes (with its allow-list, if
+    any), so this second pass imports nothing the first would not have; only ``TensorProperties`` is swapped for a
+    recorder of state lengths."""
     lengths: set[int] = set()
 
     class _Recorder:  # stands in for TensorProperties: keeps the state's length, builds nothing
@@ -69,11 +71,10 @@ def explain_unreadable_metadata(path: Path, unpickler: type[pickle.Unpickler], *
                 return _Recorder
             return super().find_class(module, name)
 
-    with open(path, "rb") as file:
-        try:
-            _Probe(file, *args).load()
-        except Exception:
-            pass  # other classes may fail on newer states too; the lengths seen so far decide
+    try:
+        _Probe(io.BytesIO(data), *args).load()
+    except Exception:
+        pass  # other classes may fail on newer states too; the lengths seen so far decide
     newest = max(lengths, default=0)
     if newest <= _READABLE_STATE:
         return
