@@ -184,7 +184,8 @@ def _check_names() -> None:
         if not hasattr(owner, name):
             raise ImportError(
                 f"lightning-fsdp needs `{owner.__qualname__}.{name}`, which torch {torch.__version__} / Lightning"
-                f" {lightning_version()} does not have. Supported: torch 2.13 to 2.15, Lightning 2.5 to 2.6."
+                f" {lightning_version()} does not have. Supported: torch 2.13 to 2.15, Lightning 2.5 to 2.6. HINT: install a supported pair, e.g."
+                " `pip install 'torch>=2.13,<2.16' 'lightning>=2.5,<2.7'`."
             )
 
 

@@ -76,7 +76,8 @@ class DTensorGradScaler(torch.amp.GradScaler):
                         continue
                     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                     if not allow_fp16 and grad.dtype == torch.float16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
+                        raise ValueError("Attempting to unscale FP16 gradients. HINT: keep the parameters in fp32 and let"
+                                         " `precision='16-mixed'` cast them for compute.")
                     grads[(grad.device, grad.dtype)].append(grad)
             total = torch.zeros_like(found_inf)
             for (device, _), tensors in grads.items():
