@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_snippets import ROOT, all_snippets, parse
+from doc_snippets import ROOT, all_snippets, documents, parse
 from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
 
 SNIPPETS = all_snippets()
@@ -135,3 +135,43 @@ def test_every_error_type_raised_is_in_troubleshooting():
         raised |= set(re.findall(r"raise (\w+(?:Error|Failure|Exception))\b", source.read_text()))
     missing = sorted(name for name in raised if f"`{name}`" not in page)
     assert not missing, f"raised but not explained in docs/guides/troubleshooting.md: {missing}"
+
+
+RECORDED = re.compile(r"(?P<value>[-+]?\d+(?:\.\d+)?)(?P<percent>%?)<!--\s*record:\s*(?P<figure>.+?)"
+                      r"(?:\s*\|\s*(?P<stat>median|min|max))?\s*-->")
+
+
+def recorded_figures(text: str) -> list[tuple[str, str, str, str]]:
+    """(value as written, '%' or '', figure name, statistic) for every number the text marks as from the record."""
+    return [(m["value"], m["percent"], m["figure"].strip(), m["stat"] or "median") for m in RECORDED.finditer(text)]
+
+
+def _as_written(value: str, percent: str, measured: float) -> str:
+    """The record's ratio, rounded as the text writes it: `1.11` a ratio, `+2%` the change from 1."""
+    decimals = len(value.split(".")[1]) if "." in value else 0
+    if percent:
+        return f"{(measured - 1) * 100:+.{decimals}f}"
+    return f"{measured:.{decimals}f}"
+
+
+def test_every_recorded_figure_in_the_docs_is_the_run_of_record():
+    """A number written `1.11<!-- record: FIGURE -->` (or `| min`, `| max`) in the README, docs/ or the CHANGELOG is
+    that row of docs/benchmarks.json, which benchmarks/run.sh writes, rounded as written."""
+    rows = {row["figure"]: row for row in json.loads((ROOT / "docs" / "benchmarks.json").read_text())["rows"]}
+    wrong, found = [], 0
+    for doc in [ROOT / "CHANGELOG.md", *documents()]:
+        for value, percent, figure, stat in recorded_figures(doc.read_text()):
+            found += 1
+            if figure not in rows:
+                wrong.append(f"{doc.name}: no figure {figure!r} in the record")
+            elif (expected := _as_written(value, percent, rows[figure][stat])) != value:
+                wrong.append(f"{doc.name}: {value}{percent} for {figure!r} ({stat}), the record has {expected}{percent}")
+    assert found >= 7, f"only {found} recorded figures found: the marker format changed?"
+    assert not wrong, wrong
+
+
+def test_recorded_figures_are_read_as_written():
+    """The control for the check above: a stale figure and an unknown name are both caught."""
+    text = "costs 1.04<!-- record: x --> and +2%<!-- record: y | max --> but 7 ms"
+    assert recorded_figures(text) == [("1.04", "", "x", "median"), ("+2", "%", "y", "max")]
+    assert _as_written("1.04", "", 1.108) == "1.11" and _as_written("+2", "%", 1.0234) == "+2"
