@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from doc_snippets import ROOT, all_snippets, documents, parse
 from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
@@ -61,15 +62,52 @@ def test_python_snippet_runs(snippet, launches):
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "cli-config"], ids=lambda s: s.name)
 def test_yaml_snippet_trains(snippet, tmp_path):
+    """The config trains, and each of its strategy options shows in the sharded model (read on every rank by
+    tests/workers/yaml_report.py): a dropped `cpu_offload` or policy fails here, not only a crash."""
     config = tmp_path / "config.yaml"
     config.write_text(snippet.code)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    report = tmp_path / "report"
+    workers = str(Path(__file__).parent / "workers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LFSDP_YAML_REPORT=str(report),
+               PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
-         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"],
+         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+         "--trainer.callbacks+=yaml_report.StrategyReport"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    trainer = yaml.safe_load(snippet.code)["trainer"]
+    reports = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in range(int(trainer["devices"]))]
+    assert all(r == reports[0] for r in reports), reports
+    _check_effects(trainer, reports[0])
+
+
+def _check_effects(trainer: dict, seen: dict) -> None:
+    """What each option of a YAML snippet's strategy must have done to the model; an option without a check fails."""
+    args = trainer["strategy"]["init_args"]
+    assert seen["strategy"] == trainer["strategy"]["class_path"], seen
+    assert seen["precision"] == str(trainer.get("precision", "32-true")), seen
+    checks = {
+        "sharding_strategy": lambda v: seen["mesh_dim_names"] == (["replicate", "shard"] if "HYBRID" in v.upper()
+                                                                  else ["shard"] if v.upper() != "NO_SHARD"
+                                                                  else seen["mesh_dim_names"]),
+        "device_mesh": lambda v: seen["mesh_shape"] == list(v),
+        "cpu_offload": lambda v: seen["offloaded_units"] == (seen["units_with_params"] if v else 0)
+                                 and seen["units_with_params"] > 0,
+        "auto_wrap_policy": lambda v: {n.rsplit(".", 1)[-1] for n in v} <= set(seen["unit_classes"]),
+        "activation_checkpointing_policy": lambda v: seen["checkpointed_classes"] == sorted(n.rsplit(".", 1)[-1]
+                                                                                          for n in v),
+        "state_dict_type": lambda v: seen["state_dict_type"] == v,
+    }
+    unchecked = sorted(set(args) - set(checks))
+    assert not unchecked, f"strategy options with no effect check in tests/test_docs.py: {unchecked}"
+    failed = {k: v for k, v in args.items() if not checks[k](v)}
+    assert not failed, f"options without their effect: {failed}; the sharded model: {seen}"
+    if "cpu_offload" not in args:
+        assert seen["offloaded_units"] == 0, seen
+    if "activation_checkpointing_policy" not in args:
+        assert seen["checkpointed_classes"] == [], seen
 
 
 def test_markers_are_checked():
