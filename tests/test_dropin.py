@@ -104,4 +104,11 @@ def test_lightnings_compile_check_accepts_our_strategy():
             self.layer = torch.nn.Linear(2, 2)
 
     module = from_compiled(torch.compile(Module(), backend="eager"))
-    _verify_strategy_supports_compile(module, trainer.FSDPStrategy())  # raised RuntimeError before
+    assert module._compiler_ctx is not None, "not a compiled module: Lightning's check would pass for any strategy"
+    # The control: a strategy Lightning does not compile for is refused by the very same call...
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    with pytest.raises(RuntimeError, match="incompatible with the current strategy"):
+        _verify_strategy_supports_compile(module, ModelParallelStrategy())
+    # ...and ours is let through (it raised the same RuntimeError before the drop-in).
+    assert _verify_strategy_supports_compile(module, trainer.FSDPStrategy()) is None
