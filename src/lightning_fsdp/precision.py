@@ -117,6 +117,12 @@ class FSDPPrecision(Precision):
         return torch.bfloat16 if self.precision.startswith("bf16") else torch.float16
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matrix multiplications run in (what a FLOP counter should count): the low dtype, except
+        for ``32-true``."""
+        return torch.float32 if self.precision == "32-true" else self.low_dtype
+
+    @property
     def is_mixed(self) -> bool:
         return self.precision.endswith("-mixed")
 
