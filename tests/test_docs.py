@@ -155,6 +155,31 @@ def test_site_builds_in_strict_mode(site):
     assert "reshard_after_forward" in api, "the API reference did not render the strategy's docstring"
 
 
+def test_api_page_renders_roles_signatures_and_functions(site):
+    """Sphinx roles in docstrings show as code (docs/hooks.py), not as `:class:` text; signatures sit under their
+    heading, not in it at heading size; every `:::` entry is the object named, not a module of the same name."""
+    api = (site / "reference" / "api" / "index.html").read_text()
+    roles = re.findall(r":(?:class|meth|func|mod|attr|data|exc|obj):", api)
+    assert not roles, f"raw Sphinx roles on the API page: {roles[:5]}"
+    headings = re.findall(r'<h2 id="(lightning_fsdp[^"]*)"[^>]*>(.*?)</h2>', api, re.S)
+    assert len(headings) >= 10, headings
+    in_heading = [name for name, html in headings if "(" in re.sub(r"<[^>]+>", "", html)]
+    assert not in_heading, f"signatures rendered inside the heading: {in_heading}"
+    assert "doc-object doc-module" not in api, "a `:::` entry on the API page renders a module"
+
+
+def test_home_page_links_every_guide_the_readme_table_does():
+    """The README's "I want to" table and the site's home table list the same pages."""
+    def targets(text: str, prefix: str) -> set[str]:
+        table = [line for line in text.splitlines() if line.startswith("| ")]
+        return {t.removeprefix(prefix).split("#")[0] for line in table for t in re.findall(r"\]\(([^)]+)\)", line)}
+
+    readme = targets((ROOT / "README.md").read_text(), "docs/")
+    home = targets((ROOT / "docs" / "index.md").read_text(), "")
+    assert readme - home == set(), f"in the README's table but not on the home page: {sorted(readme - home)}"
+    assert "reference/support.md" in home, "the home page does not link the supported versions"
+
+
 LINK = re.compile(r"\]\((?!https?://|mailto:)([^)#\s]+)(?:#([^)\s]+))?\)")
 
 
