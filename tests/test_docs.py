@@ -220,8 +220,17 @@ def test_every_error_type_raised_is_in_troubleshooting():
     assert not missing, f"raised but not explained in docs/guides/troubleshooting.md: {missing}"
 
 
-RECORDED = re.compile(r"(?P<value>[-+]?\d+(?:\.\d+)?)(?P<percent>%?)<!--\s*record:\s*(?P<figure>.+?)"
-                      r"(?:\s*\|\s*(?P<stat>median|min|max))?\s*-->")
+# A sign belongs to the number unless it follows a marker (`0.05<!-- ... -->-0.11` is a range).
+RECORDED = re.compile(r"(?P<value>(?:(?<!>)[-+])?\d+(?:\.\d+)?)(?P<percent>%?)<!--\s*record:\s*(?P<figure>.+?)"
+                      r"(?:\s*\|\s*(?P<stat>median|min|max|detail(?:\.\w+)+))?\s*-->")
+
+
+def _statistic(row: dict, stat: str) -> float:
+    """`median`, `min`, `max`, or a path into the row's `detail` (`detail.save_s`)."""
+    value = row
+    for part in stat.split("."):
+        value = value[part]
+    return float(value)
 
 
 def recorded_figures(text: str) -> list[tuple[str, str, str, str]]:
@@ -247,7 +256,7 @@ def test_every_recorded_figure_in_the_docs_is_the_run_of_record():
             found += 1
             if figure not in rows:
                 wrong.append(f"{doc.name}: no figure {figure!r} in the record")
-            elif (expected := _as_written(value, percent, rows[figure][stat])) != value:
+            elif (expected := _as_written(value, percent, _statistic(rows[figure], stat))) != value:
                 wrong.append(f"{doc.name}: {value}{percent} for {figure!r} ({stat}), the record has {expected}{percent}")
     assert found >= 7, f"only {found} recorded figures found: the marker format changed?"
     assert not wrong, wrong
@@ -255,8 +264,12 @@ def test_every_recorded_figure_in_the_docs_is_the_run_of_record():
 
 def test_recorded_figures_are_read_as_written():
     """The control for the check above: a stale figure and an unknown name are both caught."""
-    text = "costs 1.04<!-- record: x --> and +2%<!-- record: y | max --> but 7 ms"
-    assert recorded_figures(text) == [("1.04", "", "x", "median"), ("+2", "%", "y", "max")]
+    text = "costs 1.04<!-- record: x --> and +2%<!-- record: y | max --> in 0.49<!-- record: z | detail.save_s --> s"
+    assert recorded_figures(text) == [("1.04", "", "x", "median"), ("+2", "%", "y", "max"),
+                                      ("0.49", "", "z", "detail.save_s")]
+    assert _statistic({"detail": {"save_s": 0.4939}}, "detail.save_s") == 0.4939
+    assert [v for v, *_ in recorded_figures("0.05<!-- record: x | min -->-0.11<!-- record: x | max -->")] == ["0.05",
+                                                                                                          "0.11"]
     assert _as_written("1.04", "", 1.108) == "1.11" and _as_written("+2", "%", 1.0234) == "+2"
 
 
