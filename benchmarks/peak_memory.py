@@ -1,4 +1,4 @@
-"""Peak memory of a block of code on Linux, the honest way (/work/shared/TESTING-NOTES.md):
+"""Peak memory of a block of code on Linux, the honest way:
 
 - ``reset_peak()``: ``gc.collect()``, glibc's ``malloc_trim(0)`` (freed heap pages stay resident otherwise, and new
   allocations reuse them without raising RSS, so the block would read near zero), then ``5 > /proc/self/clear_refs``,

@@ -4,7 +4,7 @@
   sides are set up once and timed in alternating order, a few steps per side per round);
 - model-state bytes per rank (parameters, gradients, AdamW state) vs the ideal 16·P/N, at N = 1, 2 and 4;
 - setup peak with ``empty_init=True`` vs P·4/N plus the largest unit, at N = 1, 2 and 4 (VmHWM after
-  ``malloc_trim`` and a reset, as /work/shared/TESTING-NOTES.md describes);
+  ``malloc_trim`` and a reset: see ``benchmarks/peak_memory.py`` for why both);
 - ``import lightning_fsdp`` vs ``import lightning``, each in a fresh interpreter.
 
     python benchmarks/training_figures.py [--rounds 6] [--json out.json]

@@ -1,6 +1,8 @@
 """The runnable blocks of the README and the documentation site, found by one parser for the tests to run.
 
-Every fenced ```` ```python ```` block is a snippet and must run as it stands. An HTML comment right before the fence
+Every fenced Python block is a snippet and must run as it stands, whatever its fence (```` ``` ```` or ``~~~``), its
+tag (``python``, ``py``, ``python3``, ``py3``) or attributes after the tag (``python title="train.py"``); a
+``pycon`` session (``>>>`` prompts) cannot run and is refused. An HTML comment right before the fence
 (blank lines allowed) says how: ``<!-- snippet: ranks=2 -->`` runs it on 2 CPU processes under torchrun (a Fabric
 or Trainer script with ``devices=2``), the default is one plain process. A ```` ```yaml ```` block marked
 ``<!-- snippet: cli-config -->`` is a LightningCLI config, run with ``examples/cli_train.py fit --config``. Other
@@ -15,9 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*\{?\s*\.?(?P<lang>[\w+-]*)(?P<attributes>[^`]*)$")
 MARK = re.compile(r"^\s*<!--\s*snippet:\s*(?P<options>.*?)\s*-->\s*$")
-KINDS = {"python": "python", "yaml": "cli-config"}
+PYTHON = {"python", "py", "python3", "py3"}
+YAML = {"yaml", "yml"}
+REFUSED = {"pycon", "python-repl", "ipython"}
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,21 @@ def parse(text: str, path: str) -> list[Snippet]:
         if m := MARK.match(lines[i]):
             options = _options(m.group("options"), path, i + 1)
         elif fence := FENCE.match(lines[i]):
-            start, indent, lang = i, len(fence.group("indent")), fence.group("lang")
+            start, indent, lang = i, len(fence.group("indent")), fence.group("lang").lower()
+            marks = fence.group("fence")
+            if lang in REFUSED:
+                raise ValueError(f"{path}:{start + 1}: a {lang} block (an interactive session) cannot run as a snippet;"
+                                 " write it as a ```python block with asserts, or as ```text")
             i += 1
             body = []
-            while i < len(lines) and lines[i].strip() != "```":
+            # The block ends at a fence of the same character, at least as long, with nothing after it.
+            while i < len(lines) and not (lines[i].strip().startswith(marks)
+                                          and set(lines[i].strip()) == {marks[0]}):
                 body.append(lines[i][indent:])
                 i += 1
             opts = options or {}
-            kind = "python" if lang == "python" else opts.get("kind")
-            if lang == "yaml" and "cli-config" in opts.get("flags", ()):
+            kind = "python" if lang in PYTHON else opts.get("kind")
+            if lang in YAML and "cli-config" in opts.get("flags", ()):
                 kind = "cli-config"
             if kind is not None:
                 found.append(Snippet(path, start + 1, kind, int(opts.get("ranks", 1)), "\n".join(body) + "\n"))

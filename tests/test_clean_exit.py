@@ -1,7 +1,11 @@
 """A job whose work succeeded exits 0, every time (issue 13): a crash at exit ("terminate called without an active
 exception") makes torchrun exit 1, which a user's script, CI and the benchmarks see as a failure. The failure was
 intermittent (2 of 5 runs of a benchmark), so the short job is launched several times, all at once: the launches
-overlap their start-up, and the load makes exits race the way they do on a busy machine."""
+overlap their start-up, and the load makes exits race the way they do on a busy machine.
+
+What each test can catch: if a launch crashes with probability 2/5, all of LAUNCHES = 8 launches pass with
+probability (3/5)**8 = 1.7%, so the first test misses that bug about once in 60 runs (with 5 launches, once in 13).
+The deterministic guard is the second test, which forces the race: without the wait at exit it fails every time."""
 
 import json
 import os
@@ -10,7 +14,7 @@ import sys
 
 from launch import LAUNCH_TIMEOUT_S, Launch, free_port, torchrun, worker_env
 
-LAUNCHES = 5
+LAUNCHES = 8
 
 
 def test_every_launch_exits_zero(tmp_path):

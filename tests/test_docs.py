@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from doc_snippets import ROOT, all_snippets, parse
+from doc_snippets import ROOT, all_snippets, documents, parse
 from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
 
 SNIPPETS = all_snippets()
@@ -61,15 +62,52 @@ def test_python_snippet_runs(snippet, launches):
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "cli-config"], ids=lambda s: s.name)
 def test_yaml_snippet_trains(snippet, tmp_path):
+    """The config trains, and each of its strategy options shows in the sharded model (read on every rank by
+    tests/workers/yaml_report.py): a dropped `cpu_offload` or policy fails here, not only a crash."""
     config = tmp_path / "config.yaml"
     config.write_text(snippet.code)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    report = tmp_path / "report"
+    workers = str(Path(__file__).parent / "workers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LFSDP_YAML_REPORT=str(report),
+               PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
-         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}"],
+         "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+         "--trainer.callbacks+=yaml_report.StrategyReport"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    trainer = yaml.safe_load(snippet.code)["trainer"]
+    reports = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in range(int(trainer["devices"]))]
+    assert all(r == reports[0] for r in reports), reports
+    _check_effects(trainer, reports[0])
+
+
+def _check_effects(trainer: dict, seen: dict) -> None:
+    """What each option of a YAML snippet's strategy must have done to the model; an option without a check fails."""
+    args = trainer["strategy"]["init_args"]
+    assert seen["strategy"] == trainer["strategy"]["class_path"], seen
+    assert seen["precision"] == str(trainer.get("precision", "32-true")), seen
+    checks = {
+        "sharding_strategy": lambda v: seen["mesh_dim_names"] == (["replicate", "shard"] if "HYBRID" in v.upper()
+                                                                  else ["shard"] if v.upper() != "NO_SHARD"
+                                                                  else seen["mesh_dim_names"]),
+        "device_mesh": lambda v: seen["mesh_shape"] == list(v),
+        "cpu_offload": lambda v: seen["offloaded_units"] == (seen["units_with_params"] if v else 0)
+                                 and seen["units_with_params"] > 0,
+        "auto_wrap_policy": lambda v: {n.rsplit(".", 1)[-1] for n in v} <= set(seen["unit_classes"]),
+        "activation_checkpointing_policy": lambda v: seen["checkpointed_classes"] == sorted(n.rsplit(".", 1)[-1]
+                                                                                          for n in v),
+        "state_dict_type": lambda v: seen["state_dict_type"] == v,
+    }
+    unchecked = sorted(set(args) - set(checks))
+    assert not unchecked, f"strategy options with no effect check in tests/test_docs.py: {unchecked}"
+    failed = {k: v for k, v in args.items() if not checks[k](v)}
+    assert not failed, f"options without their effect: {failed}; the sharded model: {seen}"
+    if "cpu_offload" not in args:
+        assert seen["offloaded_units"] == 0, seen
+    if "activation_checkpointing_policy" not in args:
+        assert seen["checkpointed_classes"] == [], seen
 
 
 def test_markers_are_checked():
@@ -80,6 +118,26 @@ def test_markers_are_checked():
         parse("<!-- snippet: ranks=2 -->\n```bash\nls\n```\n", "x.md")
     found = parse("<!-- snippet: ranks=2 -->\n\n```python\npass\n```\n\nText.\n\n```python\nx = 1\n```\n", "x.md")
     assert [(s.line, s.ranks) for s in found] == [(3, 2), (9, 1)]
+
+
+def test_every_python_fence_is_collected_or_refused():
+    """A Python block is a snippet whatever its fence, tag or attributes; none is skipped silently."""
+    text = ("```py\na = 1\n```\n\n~~~python\nb = 2\n~~~\n\n```python title=\"x.py\"\nc = 3\n```\n\n"
+            "````python3\nd = 4\n```\nstill_d = 4\n````\n\n``` { .python }\ne = 5\n```\n\n```bash\nls\n```\n")
+    found = parse(text, "x.md")
+    assert [(s.line, s.kind, s.code) for s in found] == [
+        (1, "python", "a = 1\n"), (5, "python", "b = 2\n"), (9, "python", "c = 3\n"),
+        (13, "python", "d = 4\n```\nstill_d = 4\n"), (19, "python", "e = 5\n")]
+    with pytest.raises(ValueError, match="interactive session"):
+        parse("```pycon\n>>> 1 + 1\n2\n```\n", "x.md")
+    # And in the real documents: every line that opens a fence tagged like Python is a collected snippet.
+    for doc in documents():
+        relative = str(doc.relative_to(ROOT))
+        lines = doc.read_text().splitlines()
+        opened = {n + 1 for n, line in enumerate(lines)
+                  if re.match(r"^ *(```|~~~)\s*\{?\s*\.?py", line, re.IGNORECASE)}
+        collected = {s.line for s in SNIPPETS if s.path == relative and s.kind == "python"}
+        assert opened <= collected, f"{relative}: Python blocks at lines {sorted(opened - collected)} are not run"
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +153,31 @@ def test_site_builds_in_strict_mode(site):
     assert (site / "index.html").is_file()
     api = (site / "reference" / "api" / "index.html").read_text()
     assert "reshard_after_forward" in api, "the API reference did not render the strategy's docstring"
+
+
+def test_api_page_renders_roles_signatures_and_functions(site):
+    """Sphinx roles in docstrings show as code (docs/hooks.py), not as `:class:` text; signatures sit under their
+    heading, not in it at heading size; every `:::` entry is the object named, not a module of the same name."""
+    api = (site / "reference" / "api" / "index.html").read_text()
+    roles = re.findall(r":(?:class|meth|func|mod|attr|data|exc|obj):", api)
+    assert not roles, f"raw Sphinx roles on the API page: {roles[:5]}"
+    headings = re.findall(r'<h2 id="(lightning_fsdp[^"]*)"[^>]*>(.*?)</h2>', api, re.S)
+    assert len(headings) >= 10, headings
+    in_heading = [name for name, html in headings if "(" in re.sub(r"<[^>]+>", "", html)]
+    assert not in_heading, f"signatures rendered inside the heading: {in_heading}"
+    assert "doc-object doc-module" not in api, "a `:::` entry on the API page renders a module"
+
+
+def test_home_page_links_every_guide_the_readme_table_does():
+    """The README's "I want to" table and the site's home table list the same pages."""
+    def targets(text: str, prefix: str) -> set[str]:
+        table = [line for line in text.splitlines() if line.startswith("| ")]
+        return {t.removeprefix(prefix).split("#")[0] for line in table for t in re.findall(r"\]\(([^)]+)\)", line)}
+
+    readme = targets((ROOT / "README.md").read_text(), "docs/")
+    home = targets((ROOT / "docs" / "index.md").read_text(), "")
+    assert readme - home == set(), f"in the README's table but not on the home page: {sorted(readme - home)}"
+    assert "reference/support.md" in home, "the home page does not link the supported versions"
 
 
 LINK = re.compile(r"\]\((?!https?://|mailto:)([^)#\s]+)(?:#([^)\s]+))?\)")
@@ -135,3 +218,81 @@ def test_every_error_type_raised_is_in_troubleshooting():
         raised |= set(re.findall(r"raise (\w+(?:Error|Failure|Exception))\b", source.read_text()))
     missing = sorted(name for name in raised if f"`{name}`" not in page)
     assert not missing, f"raised but not explained in docs/guides/troubleshooting.md: {missing}"
+
+
+# A sign belongs to the number unless it follows a marker (`0.05<!-- ... -->-0.11` is a range).
+RECORDED = re.compile(r"(?P<value>(?:(?<!>)[-+])?\d+(?:\.\d+)?)(?P<percent>%?)<!--\s*record:\s*(?P<figure>.+?)"
+                      r"(?:\s*\|\s*(?P<stat>median|min|max|detail(?:\.\w+)+))?\s*-->")
+
+
+def _statistic(row: dict, stat: str) -> float:
+    """`median`, `min`, `max`, or a path into the row's `detail` (`detail.save_s`)."""
+    value = row
+    for part in stat.split("."):
+        value = value[part]
+    return float(value)
+
+
+def recorded_figures(text: str) -> list[tuple[str, str, str, str]]:
+    """(value as written, '%' or '', figure name, statistic) for every number the text marks as from the record."""
+    return [(m["value"], m["percent"], m["figure"].strip(), m["stat"] or "median") for m in RECORDED.finditer(text)]
+
+
+def _as_written(value: str, percent: str, measured: float) -> str:
+    """The record's ratio, rounded as the text writes it: `1.11` a ratio, `+2%` the change from 1."""
+    decimals = len(value.split(".")[1]) if "." in value else 0
+    if percent:
+        return f"{(measured - 1) * 100:+.{decimals}f}"
+    return f"{measured:.{decimals}f}"
+
+
+def test_every_recorded_figure_in_the_docs_is_the_run_of_record():
+    """A number written `1.11<!-- record: FIGURE -->` (or `| min`, `| max`) in the README, docs/ or the CHANGELOG is
+    that row of docs/benchmarks.json, which benchmarks/run.sh writes, rounded as written."""
+    rows = {row["figure"]: row for row in json.loads((ROOT / "docs" / "benchmarks.json").read_text())["rows"]}
+    wrong, found = [], 0
+    for doc in [ROOT / "CHANGELOG.md", *documents()]:
+        for value, percent, figure, stat in recorded_figures(doc.read_text()):
+            found += 1
+            if figure not in rows:
+                wrong.append(f"{doc.name}: no figure {figure!r} in the record")
+            elif (expected := _as_written(value, percent, _statistic(rows[figure], stat))) != value:
+                wrong.append(f"{doc.name}: {value}{percent} for {figure!r} ({stat}), the record has {expected}{percent}")
+    assert found >= 7, f"only {found} recorded figures found: the marker format changed?"
+    assert not wrong, wrong
+
+
+def test_recorded_figures_are_read_as_written():
+    """The control for the check above: a stale figure and an unknown name are both caught."""
+    text = "costs 1.04<!-- record: x --> and +2%<!-- record: y | max --> in 0.49<!-- record: z | detail.save_s --> s"
+    assert recorded_figures(text) == [("1.04", "", "x", "median"), ("+2", "%", "y", "max"),
+                                      ("0.49", "", "z", "detail.save_s")]
+    assert _statistic({"detail": {"save_s": 0.4939}}, "detail.save_s") == 0.4939
+    assert [v for v, *_ in recorded_figures("0.05<!-- record: x | min -->-0.11<!-- record: x | max -->")] == ["0.05",
+                                                                                                          "0.11"]
+    assert _as_written("1.04", "", 1.108) == "1.11" and _as_written("+2", "%", 1.0234) == "+2"
+
+
+TRAIN_PY_TIMEOUT_S = 120  # the script takes about 10 s on 2 cores
+
+
+def test_readme_fabric_snippet_runs_as_python_train_py(tmp_path):
+    """The README says its Fabric snippet runs as `python train.py`, Fabric starting the second process itself: run it
+    so, outside torchrun, with a timeout (a launcher that starts no second process leaves rank 0 waiting for it)."""
+    fabric_snippets = [s for s in SNIPPETS if s.path == "README.md" and "fabric.launch()" in s.code]
+    assert len(fabric_snippets) == 1, fabric_snippets
+    (tmp_path / "train.py").write_text(fabric_snippets[0].code)
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "TORCHELASTIC_RUN_ID"}}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TRAIN_PY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the launched rank shares the session; no process is left waiting
+        out, _ = proc.communicate()
+        pytest.fail(f"`python train.py` did not finish in {TRAIN_PY_TIMEOUT_S} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    assert (tmp_path / "checkpoints" / "step-10" / "meta.pt").is_file(), sorted(tmp_path.rglob("*"))

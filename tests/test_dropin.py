@@ -104,4 +104,29 @@ def test_lightnings_compile_check_accepts_our_strategy():
             self.layer = torch.nn.Linear(2, 2)
 
     module = from_compiled(torch.compile(Module(), backend="eager"))
-    _verify_strategy_supports_compile(module, trainer.FSDPStrategy())  # raised RuntimeError before
+    assert module._compiler_ctx is not None, "not a compiled module: Lightning's check would pass for any strategy"
+    # The control: a strategy Lightning does not compile for is refused by the very same call...
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    with pytest.raises(RuntimeError, match="incompatible with the current strategy"):
+        _verify_strategy_supports_compile(module, ModelParallelStrategy())
+    # ...and ours is let through (it raised the same RuntimeError before the drop-in).
+    assert _verify_strategy_supports_compile(module, trainer.FSDPStrategy()) is None
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
+                                                  ("16-mixed", torch.float16), ("bf16-true", torch.bfloat16),
+                                                  ("16-true", torch.float16)])
+def test_throughput_monitors_count_flops_in_our_compute_dtype(precision, dtype):
+    """Both ThroughputMonitors read the FLOP dtype (for MFU) from the precision plugin: with ours they said fp32
+    for every precision. Asked the way each monitor asks, with the plugin each front builds."""
+    from lightning.fabric.utilities import throughput
+    from lightning.pytorch.callbacks import throughput_monitor
+
+    fabric_plugin = Fabric(accelerator="cpu", devices=2, strategy=fabric.FSDPStrategy(), precision=precision)
+    trainer_plugin = _trainer(precision).strategy.precision_plugin
+    assert throughput._plugin_to_compute_dtype(fabric_plugin.strategy.precision) == dtype
+    assert throughput_monitor._plugin_to_compute_dtype(trainer_plugin) == dtype
+    # Lightning's own plugins are answered as before.
+    assert throughput._plugin_to_compute_dtype(MixedPrecision("bf16-mixed", "cpu")) == torch.bfloat16
+    assert throughput_monitor._plugin_to_compute_dtype(TrainerMixedPrecision("16-mixed", "cpu")) == torch.float16

@@ -3,6 +3,7 @@
 from launch import case_tests
 
 CASES = [
+    "preemption_agreement_is_one_all_reduce_of_one_integer_per_step",
     "separate_setup_remaps_an_optimizer_built_before_setup_module",
     "optimizer_with_parameters_of_no_model_is_refused",
     "clip_norms_with_empty_shards_match_reference",

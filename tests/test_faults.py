@@ -18,6 +18,7 @@ from launch import case_tests
 CASES = [
     "strict_key_mismatch_raises_on_every_rank_in_both_formats",
     "shape_mismatch_names_the_tensor_in_both_formats",
+    "an_unreadable_full_file_raises_everywhere",
     "save_onto_a_read_only_filesystem_fails_everywhere_promptly",
     "save_onto_a_full_disk_says_so_and_frees_the_space",
     "a_disk_that_fills_inside_a_record_says_so_in_every_format",

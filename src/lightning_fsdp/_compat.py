@@ -8,6 +8,7 @@ override as subclasses.)
 """
 
 import inspect
+from typing import Any
 
 import torch
 from lightning.fabric.strategies.strategy import Strategy as _FabricStrategy
@@ -174,17 +175,34 @@ TRAINER_CONNECTOR_PRECISION_FLAGS = ("_precision_plugin_flag", "_precision_flag"
 FABRIC_SETUP_CHECK = "_validate_setup"
 
 
+# The function both ThroughputMonitors (Fabric's utility, the Trainer's callback) ask for the FLOP dtype of a
+# precision plugin; it knows only Lightning's own plugins, so `dropin.py` teaches it ours.
+THROUGHPUT_COMPUTE_DTYPE = "_plugin_to_compute_dtype"
+
+
+def throughput_modules() -> tuple[Any, Any]:
+    """The two modules that hold :data:`THROUGHPUT_COMPUTE_DTYPE`: Fabric's and the Trainer's."""
+    from lightning.fabric.utilities import throughput
+    from lightning.pytorch.callbacks import throughput_monitor
+
+    return throughput, throughput_monitor
+
+
 def _check_names() -> None:
     """Fail at import, in this file, when a torch or Lightning release drops a private name used only by name."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    fabric_throughput, trainer_throughput = throughput_modules()
     for owner, name in ((FileSystemReader, DCP_READER_ITEM_VIEW), (FabricConnector, CONNECTOR_STRATEGY_CHECK),
                         (TrainerConnector, CONNECTOR_STRATEGY_CHECK), (FabricConnector, CONNECTOR_PRECISION_CHOICE),
-                        (TrainerConnector, CONNECTOR_PRECISION_CHOICE), (_Fabric, FABRIC_SETUP_CHECK)):
+                        (TrainerConnector, CONNECTOR_PRECISION_CHOICE), (_Fabric, FABRIC_SETUP_CHECK),
+                        (fabric_throughput, THROUGHPUT_COMPUTE_DTYPE), (trainer_throughput, THROUGHPUT_COMPUTE_DTYPE)):
         if not hasattr(owner, name):
             raise ImportError(
-                f"lightning-fsdp needs `{owner.__qualname__}.{name}`, which torch {torch.__version__} / Lightning"
-                f" {lightning_version()} does not have. Supported: torch 2.13 to 2.15, Lightning 2.5 to 2.6."
+                f"lightning-fsdp needs `{getattr(owner, '__qualname__', owner.__name__)}.{name}`, which torch"
+                f" {torch.__version__} / Lightning {lightning_version()} does not have. Supported: torch 2.13 to 2.15,"
+                " Lightning 2.5 to 2.6. HINT: install a supported pair, e.g."
+                " `pip install 'torch>=2.13,<2.16' 'lightning>=2.5,<2.7'`."
             )
 
 
@@ -215,6 +233,8 @@ __all__ = [
     "FABRIC_CONNECTOR_PRECISION_FLAGS",
     "TRAINER_CONNECTOR_PRECISION_FLAGS",
     "FABRIC_SETUP_CHECK",
+    "THROUGHPUT_COMPUTE_DTYPE",
+    "throughput_modules",
     "CheckpointImpl",
     "CheckpointWrapper",
     "checkpoint_wrapper",

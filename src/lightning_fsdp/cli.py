@@ -68,6 +68,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse prints the usage and the error on several lines; ours is one line, like every other error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if "HINT:" in message:  # an option's own message (from its type=) already says what to do
+            raise UsageError(message)
         raise UsageError(f"{message}. HINT: see `{self.prog} --help`.")
 
 
@@ -131,7 +133,16 @@ def _size(text: str) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    info = describe(open_checkpoint(args.path, allow_pickle=args.allow_pickle), tensors=args.tensors)
+    try:
+        source = open_checkpoint(args.path, allow_pickle=args.allow_pickle)
+    except (UsageError, CheckpointError) as err:
+        # Opening reads meta.pt and .metadata, checked against their digests: with --verify, a file that fails its
+        # checksum is a failed verification (status 1), as a damaged shard is, not unreadable input (status 2).
+        failed_checksum = err if isinstance(err, ChecksumError) else err.__cause__
+        if args.verify and isinstance(failed_checksum, ChecksumError):
+            return _fail(str(err), 1)
+        raise
+    info = describe(source, tensors=args.tensors)
     if args.verify:
         try:
             info["checksums"] = "verified" if verify_checkpoint(args.path) else "none"

@@ -31,9 +31,13 @@ what happens with ours:
   tensors -> the same: with ``param_init_fn=None`` setup runs each module's ``reset_parameters``, the ones litgpt
   patched included.
 
+- both ``ThroughputMonitor``s' ``_plugin_to_compute_dtype`` (Fabric's utility, the Trainer's callback): a
+  precision-plugin check, ``isinstance(plugin, FSDPPrecision)`` (Lightning's), which our plugin is not, so a
+  ``bf16-mixed`` run was counted as fp32 and its MFU understated -> taught ours by :func:`count_our_compute_dtype`:
+  the plugin's ``compute_dtype`` (bf16 for ``bf16-mixed`` and ``bf16-true``, fp16 for the ``16`` ones).
+
 Not affected: ``type(flag) is FSDPStrategy`` in both connectors' "FSDP needs a GPU" check (``registry.py`` deals with
-the names), and ``isinstance(plugin, FSDPPrecision)`` in the throughput utilities (a precision-plugin check: ours is
-not Lightning's FSDP plugin, so ``ThroughputMonitor`` counts it as fp32). ``tests/test_dropin.py`` runs each site.
+the names). ``tests/test_dropin.py`` runs each site.
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ from lightning_fsdp._compat import (
     CONNECTOR_PRECISION_CHOICE,
     FABRIC_CONNECTOR_PRECISION_FLAGS,
     FABRIC_SETUP_CHECK,
+    THROUGHPUT_COMPUTE_DTYPE,
     TRAINER_CONNECTOR_PRECISION_FLAGS,
+    throughput_modules,
 )
 
-__all__ = ["register", "choose_our_precision", "allow_meta_optimizers"]
+__all__ = ["register", "choose_our_precision", "allow_meta_optimizers", "count_our_compute_dtype"]
 
 _PATCHED = "_lightning_fsdp_dropin"
 
@@ -68,6 +74,8 @@ def register() -> None:
     choose_our_precision(FabricConnector, FABRIC_CONNECTOR_PRECISION_FLAGS, FSDPPrecision)
     choose_our_precision(TrainerConnector, TRAINER_CONNECTOR_PRECISION_FLAGS, trainer.FSDPTrainerPrecision)
     allow_meta_optimizers(Fabric)
+    for module in throughput_modules():
+        count_our_compute_dtype(module, FSDPPrecision)
 
 
 def _is_ours(strategy: Any) -> bool:
@@ -132,3 +140,18 @@ def allow_meta_optimizers(fabric_cls: type) -> None:
 def _holds_meta_tensors(optimizer: Any) -> bool:
     groups = getattr(optimizer, "param_groups", [])
     return any(getattr(p, "is_meta", False) for group in groups for p in group["params"])
+
+
+def count_our_compute_dtype(module: Any, plugin_cls: type) -> None:
+    """Make ``module``'s ``_plugin_to_compute_dtype`` (the FLOP dtype a ``ThroughputMonitor`` counts in) answer
+    ``plugin.compute_dtype`` for our plugins (``plugin_cls`` and its subclasses); any other plugin as before."""
+
+    def make(original: Any) -> Any:
+        def plugin_to_compute_dtype(plugin: Any) -> Any:
+            if isinstance(plugin, plugin_cls):
+                return plugin.compute_dtype
+            return original(plugin)
+
+        return plugin_to_compute_dtype
+
+    _wrap(module, THROUGHPUT_COMPUTE_DTYPE, make)

@@ -64,7 +64,8 @@ class FrontMixin:
     @property
     def checkpoint_io(self) -> Any:
         raise NotImplementedError(
-            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`."
+            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`. HINT: remove the"
+            " `CheckpointIO` plugin from `plugins=`; the strategy saves with `save_checkpoint` itself."
         )
 
     @checkpoint_io.setter

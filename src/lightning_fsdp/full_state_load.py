@@ -95,7 +95,7 @@ def local_shard(full: Tensor, like: DTensor, *, own_storage: bool = False) -> DT
     mesh = like.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # pragma: no cover - FSDP only builds meshes this rank belongs to
-        raise RuntimeError(f"This rank is not part of the mesh {mesh} of the parameter it is loading into.")
+        raise RuntimeError(f"internal error: this rank is not part of the mesh {mesh} of the parameter it is loading into.")
     piece = full.detach()
     for axis, placement in enumerate(like.placements):
         if placement.is_replicate():
@@ -112,8 +112,8 @@ def local_shard(full: Tensor, like: DTensor, *, own_storage: bool = False) -> DT
     local = like.to_local()
     if piece.shape != local.shape:  # pragma: no cover - the layout above is FSDP2's; a mismatch is a bug here
         raise RuntimeError(
-            f"The shard cut from a full tensor of shape {tuple(full.shape)} has shape {tuple(piece.shape)}, but this"
-            f" rank's shard has shape {tuple(local.shape)} (placements {like.placements})."
+            f"internal error: the shard cut from a full tensor of shape {tuple(full.shape)} has shape"
+            f" {tuple(piece.shape)}, but this rank's shard has shape {tuple(local.shape)} (placements {like.placements})."
         )
     moved = piece.to(device=local.device)
     if own_storage and moved is piece:

@@ -76,7 +76,8 @@ class DTensorGradScaler(torch.amp.GradScaler):
                         continue
                     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                     if not allow_fp16 and grad.dtype == torch.float16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
+                        raise ValueError("Attempting to unscale FP16 gradients. HINT: keep the parameters in fp32 and let"
+                                         " `precision='16-mixed'` cast them for compute.")
                     grads[(grad.device, grad.dtype)].append(grad)
             total = torch.zeros_like(found_inf)
             for (device, _), tensors in grads.items():
@@ -114,6 +115,12 @@ class FSDPPrecision(Precision):
     @property
     def low_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision.startswith("bf16") else torch.float16
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matrix multiplications run in (what a FLOP counter should count): the low dtype, except
+        for ``32-true``."""
+        return torch.float32 if self.precision == "32-true" else self.low_dtype
 
     @property
     def is_mixed(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -171,12 +172,15 @@ def max_param_diff(model: nn.Module, reference: nn.Module, atol: float, label: s
     return max(assert_close(full(v), expected[k], atol, f"{label}{k}") for k, v in model.state_dict().items())
 
 
-def accumulate_three_micro_batches(fabric: Fabric, atol: float, label: str = "") -> float:
-    """Two micro-batches under `no_backward_sync`, then a synced one, against the reference on the global batches."""
+def accumulate_three_micro_batches(fabric: Fabric, atol: float, label: str = "",
+                                   around_backward: Optional[Callable[[], Any]] = None) -> float:
+    """Two micro-batches under `no_backward_sync`, then a synced one, against the reference on the global batches.
+    ``around_backward()``, if given, is a context manager entered around each micro-batch's backward."""
     model, opt, reference, ref_opt = model_and_reference(fabric)
     for micro in range(3):
         with fabric.no_backward_sync(model, enabled=micro < 2):
-            fabric.backward(loss_fn(model, make_batch(micro, fabric.global_rank)) / 3)
+            with around_backward() if around_backward is not None else nullcontext():
+                fabric.backward(loss_fn(model, make_batch(micro, fabric.global_rank)) / 3)
         # FSDP fills the sharded `.grad` only when it finishes a reduction, so inside the block it stays empty.
         communicated = [n for n, p in model.named_parameters() if p.grad is not None]
         assert bool(communicated) == (micro == 2), f"micro-batch {micro}: gradients on {communicated[:3]}"

@@ -303,5 +303,46 @@ def teardown_works_without_checkpoint_io():
     return "ok"
 
 
+@case
+def preemption_agreement_is_one_all_reduce_of_one_integer_per_step():
+    """docs/guides/preemption.md: the ranks agree through one all-reduce of one integer per step. Counted by
+    patching torch.distributed.all_reduce around each step's `requested()`; after a signal, one more all-reduce
+    agrees on it, and once agreed nothing more is sent."""
+    import os
+    import signal
+
+    from lightning_fsdp.preemption import Preemption
+
+    fabric = make_fabric(WORLD)
+    model, opt, _, _ = model_and_reference(fabric)
+    preemption = Preemption(action="stop").install()
+    original = dist.all_reduce
+    per_step = []
+    try:
+        for step in range(4):
+            fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
+            opt.step()
+            opt.zero_grad()
+            if step == 2 and fabric.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 gets the signal
+            calls = []
+
+            def counted(tensor, *args, calls=calls, **kwargs):
+                calls.append((tensor.numel(), str(tensor.dtype)))
+                return original(tensor, *args, **kwargs)
+
+            dist.all_reduce = counted
+            try:
+                agreed = preemption.requested()
+            finally:
+                dist.all_reduce = original
+            per_step.append((agreed, calls))
+    finally:
+        preemption.uninstall()
+    one_integer = [(1, "torch.int64")]
+    assert per_step == [(False, one_integer), (False, one_integer), (True, one_integer), (True, [])], per_step
+    return {"per_step": per_step}
+
+
 if __name__ == "__main__":
     run_cases()

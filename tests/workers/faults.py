@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import time
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -199,6 +200,31 @@ def shape_mismatch_names_the_tensor_in_both_formats():
                 "'embed.weight'", "[40, 16] in the checkpoint", "[32, 16] in the model", str(path),
             )
         _loads_exactly(fabric, path, params, opt_state, vocab=40)
+    return report
+
+
+@case
+def an_unreadable_full_file_raises_everywhere():
+    """A full checkpoint file that `torch.load` cannot open (a zip archive whose pickle is cut short) is one error on
+    every rank, with the troubleshooting guide's words and a hint."""
+    fabric = make_fabric(WORLD, state_dict_type="full")
+    root = shared_tmpdir(fabric)
+    model, opt = _setup_model(fabric, TinyTransformer)
+    train_steps(fabric, model, opt, steps=1)
+    fabric.save(root / "good.pt", {"model": model, "optimizer": opt})
+    params, opt_state = full_params(model), tensor_opt_state(opt)
+    if fabric.global_rank == 0:
+        with zipfile.ZipFile(root / "good.pt") as good, zipfile.ZipFile(root / "bad.pt", "w") as bad:
+            for item in good.infolist():
+                data = good.read(item.filename)
+                bad.writestr(item, data[:10] if item.filename.endswith("data.pkl") else data)
+    fabric.barrier()
+    fresh, fresh_opt = _setup_model(fabric, TinyTransformer, seed=3)
+    report = _fails_everywhere(
+        lambda: fabric.load(root / "bad.pt", {"model": fresh, "optimizer": fresh_opt}), RuntimeError,
+        "Could not read the checkpoint file", str(root / "bad.pt"), "HINT:",
+    )
+    _loads_exactly(fabric, root / "good.pt", params, opt_state)
     return report
 
 

@@ -8,6 +8,7 @@ environment (``LFSDP_NUM_NODES=2``).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -66,12 +67,48 @@ def parity_no_shard_four_ranks():
     return compare(model, reference, losses, ref_losses, 1e-5)
 
 
+class _Collectives:
+    """Whether each backward ran a reduce-scatter, and an all-reduce across the replicas (the two halves of a
+    hybrid gradient reduction), counted by patching torch.distributed's functions for the backward's duration."""
+
+    def __init__(self, fabric) -> None:
+        self.replicate = fabric.strategy.device_mesh.get_group("replicate")
+        self.per_backward: list[tuple[bool, bool]] = []
+
+    @contextmanager
+    def __call__(self):
+        import torch.distributed as dist
+
+        counts = {"reduce_scatter": 0, "all_reduce": 0}
+        reduce_scatter, all_reduce = dist.reduce_scatter_single, dist.all_reduce
+
+        def counted_reduce_scatter(*args, **kwargs):
+            counts["reduce_scatter"] += 1
+            return reduce_scatter(*args, **kwargs)
+
+        def counted_all_reduce(tensor, *args, **kwargs):
+            counts["all_reduce"] += kwargs.get("group") is self.replicate
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.reduce_scatter_single, dist.all_reduce = counted_reduce_scatter, counted_all_reduce
+        try:
+            yield
+        finally:
+            dist.reduce_scatter_single, dist.all_reduce = reduce_scatter, all_reduce
+        self.per_backward.append((counts["reduce_scatter"] > 0, counts["all_reduce"] > 0))
+
+
 @case
 def hybrid_accumulation_in_both_no_sync_modes():
+    # (reduce-scatter, all-reduce across replicas) per micro-batch: the first two are under `no_backward_sync`.
+    expected = {"skip_all": [(False, False), (False, False), (True, True)],
+                "reduce_scatter_only": [(True, False), (True, False), (True, True)]}
     report = {}
     for mode in ("skip_all", "reduce_scatter_only"):
         fabric = _fabric(sharding_strategy="HYBRID_SHARD", hybrid_no_sync=mode, **MESH)
-        report[mode] = accumulate_three_micro_batches(fabric, 1e-5, label=f"{mode}:")
+        seen = _Collectives(fabric)
+        report[mode] = accumulate_three_micro_batches(fabric, 1e-5, label=f"{mode}:", around_backward=seen)
+        assert seen.per_backward == expected[mode], f"{mode}: collectives per micro-batch {seen.per_backward}"
     return report
 
 

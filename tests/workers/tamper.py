@@ -75,7 +75,7 @@ def _refused_everywhere(fabric, what: str, load, names: list) -> str:
 def _verify_fails(fabric, what: str, path: Path, names: list) -> None:
     if fabric.global_rank == 0:
         status, out, err = _cli("inspect", "--verify", str(path))
-        assert status != 0, f"{what}: `inspect --verify` exited 0:\n{out}"
+        assert status == 1, f"{what}: `inspect --verify` exited {status}, not 1 (a failed verification):\n{out}"
         assert all(str(n) in err for n in names), f"{what}: `inspect --verify` does not name {names}: {err}"
     fabric.barrier()
 

@@ -117,7 +117,8 @@ def read_entry(contents: Mapping[str, Any], key: str) -> Any:
         entries = contents[name]
         if int(index) < len(entries):
             return entries[int(index)]
-    raise KeyError(f"The checkpoint has no entry {key!r} (its keys: {sorted(contents)}).")
+    raise KeyError(f"The checkpoint has no entry {key!r} (its keys: {sorted(contents)}). HINT: request one of those"
+                   " keys, or load with `strict=False` to skip the missing ones.")
 
 
 def checkpoint_keys_used(mapping: Mapping[str, str]) -> set[str]:

@@ -391,4 +391,7 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
                 " code. HINT: if you trust this file, pass `weights_only=False`, e.g."
                 f" {weights_only_hint()}."
             ) from err
-        raise CheckpointError(f"Could not read the checkpoint file {str(path)!r}: {err}") from err
+        raise CheckpointError(
+            f"Could not read the checkpoint file {str(path)!r}: {str(err) or type(err).__name__}. HINT: the file is"
+            " damaged or not a checkpoint; `lightning-fsdp inspect PATH` says what it is, or load an earlier one."
+        ) from err

@@ -72,7 +72,8 @@ def header_bytes(items: Sequence[SafetensorsItem], metadata: Optional[dict[str, 
     offset = 0
     for item in items:
         if item.name in header:
-            raise ValueError(f"The name {item.name!r} occurs twice in one safetensors file; each must be unique.")
+            raise ValueError(f"The name {item.name!r} occurs twice in one safetensors file; each must be unique. HINT: rename or"
+                             " drop one of the two entries before the export.")
         header[item.name] = {"dtype": DTYPE_NAMES[item.dtype], "shape": list(item.shape),
                              "data_offsets": [offset, offset + item.nbytes]}
         offset += item.nbytes

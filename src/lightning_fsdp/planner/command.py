@@ -12,6 +12,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import re
 import sys
 import traceback
 import warnings
@@ -24,6 +25,10 @@ __all__ = ["add_plan_command"]
 
 
 def add_plan_command(commands: Any) -> None:
+    from lightning_fsdp.config import ShardingStrategy
+    from lightning_fsdp.precision import SUPPORTED_PRECISION
+
+    strategies = ", ".join(s.value for s in ShardingStrategy)
     plan = commands.add_parser(
         "plan", help="plan the memory of one training step per rank, before launching",
         description="Plan the memory one training step (forward, backward, optimizer step) needs on each rank, on"
@@ -34,21 +39,29 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
                       help="a callable returning one rank's batch: a tensor, a tuple (positional arguments) or a dict"
                            " (keyword arguments)")
-    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N")
-    plan.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N")
-    plan.add_argument("--sharding-strategy", default="FULL_SHARD")
+    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N",
+                      help="the number of ranks (processes) of the run, over all nodes; an integer >= 1")
+    plan.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N",
+                      help="the number of nodes the ranks are spread over; an integer >= 1 (default: 1)")
+    plan.add_argument("--sharding-strategy", default="FULL_SHARD", metavar="STRATEGY",
+                      help=f"one of {strategies} (any case; default: FULL_SHARD)")
     plan.add_argument("--auto-wrap-policy", action="append", metavar="DOTTED_NAME",
                       help="module classes that become FSDP units, or 'auto' (default)")
     plan.add_argument("--activation-checkpointing-policy", action="append", metavar="DOTTED_NAME|JSON",
                       help="module classes to checkpoint, or a JSON mapping with 'blocks', 'every' and 'save_ops'")
     plan.add_argument("--reshard-after-forward", type=_reshard, metavar="true|false|INT|JSON",
                       help="after forward: reshard, keep, reshard to groups of INT ranks, or a JSON mapping per unit")
-    plan.add_argument("--forward-prefetch", type=int, metavar="N", help="units ahead to all-gather in forward")
-    plan.add_argument("--backward-prefetch", type=int, metavar="N", help="units ahead to all-gather in backward")
-    plan.add_argument("--precision", default="32-true")
-    plan.add_argument("--cpu-offload", action="store_true")
-    plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD")
-    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"))
+    plan.add_argument("--forward-prefetch", type=int, metavar="N", help="units ahead to all-gather in forward; an integer >= 0")
+    plan.add_argument("--backward-prefetch", type=int, metavar="N", help="units ahead to all-gather in backward; an integer >= 0")
+    plan.add_argument("--precision", default="32-true", metavar="PRECISION",
+                      help=f"one of {', '.join(SUPPORTED_PRECISION)} (default: 32-true)")
+    plan.add_argument("--cpu-offload", action="store_true",
+                      help="keep parameters, gradients and optimizer states in CPU memory between uses")
+    plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD",
+                      help="the 2-D mesh of HYBRID_SHARD: replica groups, then ranks per shard group, e.g. 2,4"
+                           " (default: one shard group of all ranks)")
+    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
+                      help="the optimizer whose states are planned: adamw, adam or sgd (default: adamw)")
     plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
                       help="per-rank budget (e.g. 80GB, 70GiB or bytes): if the plan does not fit, plan what would")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -205,7 +218,7 @@ def _positive_int(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1. HINT: pass a whole number, e.g. 8.")
     return value
 
 
@@ -214,7 +227,8 @@ def _mesh(text: str) -> tuple[int, int]:
     try:
         replicate, shard = (int(p) for p in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not REPLICATE,SHARD (e.g. 2,4)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not REPLICATE,SHARD. HINT: two integers, e.g. 2,4 for 2"
+                                         " replicas of 4-rank shard groups.") from None
     return replicate, shard
 
 
@@ -235,8 +249,8 @@ def _reshard(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not true, false, an int or a JSON mapping such as"
-                                         """ '{"root": true, "Block": 2}'""") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false, an int or a JSON mapping. HINT: e.g."
+                                         """ '{"root": true, "Block": 2}' (keys and strings in double quotes).""") from None
 
 
 def _budget(text: str) -> int:
@@ -251,5 +265,8 @@ def _as_option_message(message: str) -> str:
     for name in ("sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "device_mesh",
                  "precision", "world_size", "num_nodes", "optimizer", "reshard_after_forward", "forward_prefetch",
                  "backward_prefetch"):
-        message = message.replace(f"`{name}=", f"`--{name.replace('_', '-')} ")
+        option = f"--{name.replace('_', '-')}"
+        message = message.replace(f"`{name}=", f"`{option} ")
+        # A fix written for Python (`Fabric(precision='bf16-mixed')`) becomes the option that does it.
+        message = re.sub(rf"`(?:Fabric|Trainer|FSDPStrategy)\({name}=([^`]*)\)`", rf"`{option} \1`", message)
     return message

@@ -1,0 +1,107 @@
+"""Small contracts of the command line: ``inspect --verify`` has one exit status for any failed verification, and
+``plan --help`` documents every option with its allowed values; ``plan``'s bad-input lines carry one hint, in the
+command line's own terms."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fsdp.cli import _parser, main
+from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.precision import SUPPORTED_PRECISION
+
+SAVE = """
+import sys, torch
+from lightning.fabric import Fabric
+from lightning_fsdp.fabric import FSDPStrategy
+fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy())
+fabric.launch()
+model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+fabric.save(sys.argv[1], {"model": model, "step": 3})
+"""
+
+MODEL = """
+import torch
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+def batch():
+    return torch.randn(4, 8)
+"""
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("verify")
+    (where / "save.py").write_text(SAVE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(where / "save.py"), str(where / "ckpt")], cwd=where, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return where / "ckpt"
+
+
+def _flip_copy(src: Path, dst: Path, name: str) -> Path:
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    data = bytearray((dst / name).read_bytes())
+    data[len(data) - 30] ^= 1
+    (dst / name).write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("damaged", ["__0_0.distcp", "meta.pt", ".metadata"])
+def test_inspect_verify_exits_1_for_any_file_that_fails_its_checksum(sharded, tmp_path, capsys, damaged):
+    assert main(["inspect", "--verify", str(sharded)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    bad = _flip_copy(sharded, tmp_path / "bad", damaged)
+    status = main(["inspect", "--verify", str(bad)])
+    err = capsys.readouterr().err
+    assert status == 1, (status, err)
+    assert len(err.strip().splitlines()) == 1 and str(bad / damaged) in err and "HINT:" in err, err
+
+
+def _help(parser, command: str) -> dict[str, str]:
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return {a.option_strings[-1]: a.help or "" for a in sub._actions if a.option_strings}
+
+
+def test_plan_help_documents_every_option_and_its_allowed_values():
+    helps = _help(_parser(), "plan")
+    assert not [option for option, text in helps.items() if not text.strip()], helps
+    for strategy in ShardingStrategy:
+        assert strategy.value in helps["--sharding-strategy"], helps["--sharding-strategy"]
+    for precision in SUPPORTED_PRECISION:
+        assert precision in helps["--precision"], helps["--precision"]
+    for optimizer in ("adamw", "adam", "sgd"):
+        assert optimizer in helps["--optimizer"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--precision", "fp8"], "`--precision 'bf16-mixed'`"),
+        (["--memory-budget", "lots"], "Invalid size 'lots'"),
+        (["--world-size", "0"], "--world-size"),
+        (["--device-mesh", "2by1"], "REPLICATE,SHARD"),
+        (["--reshard-after-forward", "maybe"], "'maybe'"),
+        (["--sharding-strategy", "FULL"], "`--sharding-strategy 'FULL'`"),
+        (["--optimizer", "sgx"], "'sgx'"),
+    ],
+)
+def test_plan_bad_input_is_one_sentence_with_one_hint_in_the_options_terms(tmp_path, monkeypatch, capsys, args,
+                                                                           needle):
+    (tmp_path / "cli_contract_model.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "cli_contract_model", raising=False)  # `plan` registers the file under its stem
+    argv = ["plan", "--model", "cli_contract_model.py:build", "--inputs", "cli_contract_model.py:batch",
+            "--world-size", "2"]
+    status = main(argv + args)
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, (status, err)
+    assert needle in err and err.count("HINT:") == 1, err
+    assert ".." not in err.replace("...", ""), err
+    assert "Fabric(" not in err and "Trainer(" not in err, err
