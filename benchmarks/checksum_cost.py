@@ -48,19 +48,20 @@ def _model(layers: int, dim: int) -> torch.nn.Module:
 def _verification_off() -> Iterator[None]:
     """Loads inside it skip verification: the sharded load reads through the allow-list reader alone, the full
     load opens its file without checking its records."""
-    from lightning_fsdp.checkpoint import checksums
-    from lightning_fsdp.checkpoint.safe_pickle import SafeFileSystemReader
+    from lightning_fsdp.checkpoint import load
+    from lightning_fsdp.checkpoint.integrity.safe_pickle import SafeFileSystemReader
+    from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier
 
     def plain_reader(path, *, allow_pickle=False, verify=True):
         return SafeFileSystemReader(path, allow_pickle=allow_pickle)
 
-    saved = checksums.VerifyingReader, checksums.LoadVerifier.open
-    checksums.VerifyingReader = plain_reader
-    checksums.LoadVerifier.open = classmethod(lambda cls, path, contents: checksums.LoadVerifier.unchecked())
+    saved = load.VerifyingReader, LoadVerifier.open  # where the load looks them up
+    load.VerifyingReader = plain_reader
+    LoadVerifier.open = classmethod(lambda cls, path, contents: LoadVerifier.unchecked())
     try:
         yield
     finally:
-        checksums.VerifyingReader, checksums.LoadVerifier.open = saved
+        load.VerifyingReader, LoadVerifier.open = saved
 
 
 def _files(path: Path) -> list[Path]:
@@ -102,7 +103,7 @@ def _timed(fabric, action: Callable[[], None], before: Callable[[], None]) -> fl
 def measure(args: argparse.Namespace) -> None:
     from lightning.fabric import Fabric
 
-    from lightning_fsdp.checkpoint import checksums
+    from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
     from lightning_fsdp.fabric import FSDPStrategy
 
     torch.set_num_threads(1)
@@ -120,7 +121,7 @@ def measure(args: argparse.Namespace) -> None:
     try:
         for kind, path in paths.items():
             fabrics[kind].save(path, {"model": model})
-            assert checksums.verify_checkpoint(path), f"{path} carries no checksums"
+            assert verify_checkpoint(path), f"{path} carries no checksums"
         if fabric.global_rank == 0:
             print(f"model {model_bytes / 1e6:.0f} MB, {args.rounds} rounds per figure, files in {root}", flush=True)
             for kind, path in paths.items():  # eviction must work, or "cold" measures the cache

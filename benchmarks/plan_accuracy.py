@@ -91,7 +91,7 @@ def measure_on_this_rank(name: str) -> dict[str, int]:
     creates the optimizer state, then the second is measured)."""
     from lightning.fabric import Fabric
 
-    from lightning_fsdp._compat import planner_tools
+    from lightning_fsdp._base.compat import planner_tools
     from lightning_fsdp.fabric import FSDPStrategy
 
     _, _, FSDPMemTracker, _ = planner_tools()

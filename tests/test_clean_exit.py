@@ -54,7 +54,7 @@ def test_a_collective_unfinished_at_exit_still_exits_zero(tmp_path):
 
 IDLE_CHECK = """
 import os, time, torch, torch.distributed as dist
-from lightning_fsdp.process_exit import collective_threads
+from lightning_fsdp._base.process_exit import collective_threads
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 for _ in range(3):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lightning_fsdp.cli import _parser, main
-from lightning_fsdp.config import ShardingStrategy
-from lightning_fsdp.precision import SUPPORTED_PRECISION
+from lightning_fsdp.engine.config import ShardingStrategy
+from lightning_fsdp.engine.precision import SUPPORTED_PRECISION
 
 SAVE = """
 import sys, torch

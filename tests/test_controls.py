@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from launch import case_tests, launch
-from lightning_fsdp.activation_checkpointing import CheckpointingPolicy
+from lightning_fsdp.engine.activation_checkpointing import CheckpointingPolicy
+from lightning_fsdp.engine.resharding import ReshardPlan
 from lightning_fsdp.fabric import FSDPStrategy
-from lightning_fsdp.resharding import ReshardPlan
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
 
 TWO_RANKS = [

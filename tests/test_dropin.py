@@ -1,5 +1,5 @@
 """Lightning's and litgpt's ``isinstance(strategy, FSDPStrategy)`` checks answer True for our strategies, and each
-site's FSDP branch does the right thing with them (``lightning_fsdp.dropin``; issue 19 part 2).
+site's FSDP branch does the right thing with them (``lightning_fsdp._fronts.dropin``; issue 19 part 2).
 
 The single-process tests check what needs no process group: the ``isinstance`` answers, the precision plugin each
 connector picks, the loops' choice of ``no_grad``, and Lightning's compile check. ``workers/dropin.py`` (2 ranks, one
@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import FSDPStrategy as LightningTrainerFSDP
 import lightning_fsdp  # noqa: F401  (registers)
 from launch import case_tests
 from lightning_fsdp import fabric, trainer
-from lightning_fsdp.precision import DTensorGradScaler, FSDPPrecision
+from lightning_fsdp.engine.precision import DTensorGradScaler, FSDPPrecision
 from lightning_fsdp.trainer import FSDPTrainerPrecision
 
 CASES = [

@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
 
-from lightning_fsdp.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.engine.mesh import build_mesh
+from lightning_fsdp.engine.policy import Policy
+from lightning_fsdp.engine.precision import FSDPPrecision, as_fsdp_precision
 from lightning_fsdp.fabric import FSDPStrategy
-from lightning_fsdp.mesh import build_mesh
-from lightning_fsdp.policy import Policy
-from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
 
 
 class Block(nn.Module):

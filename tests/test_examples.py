@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp._compat import WeightAveraging
+from lightning_fsdp._base.compat import WeightAveraging
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
 

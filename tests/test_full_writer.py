@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_fsdp.checkpoint.full_writer import write_full_checkpoint, write_streaming
+from lightning_fsdp.checkpoint.io.full_writer import write_full_checkpoint, write_streaming
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ def test_a_file_that_cannot_be_opened_still_visits_every_tensor(tmp_path):
 
 
 def test_a_write_that_fails_midway_still_visits_every_tensor(tmp_path, monkeypatch):
-    import lightning_fsdp.checkpoint.full_writer as full_writer
+    import lightning_fsdp.checkpoint.io.full_writer as full_writer
 
     real = full_writer.open_zipfile_writer
 
@@ -171,7 +171,7 @@ def test_tensors_sharing_one_storage_are_written_separately(tmp_path):
 
 def test_a_view_is_written_without_copying_its_elements(tmp_path, monkeypatch):
     # A full save holds each gathered parameter on rank 0; a copy of it on top would double the peak for a big one.
-    import lightning_fsdp.checkpoint.full_writer as full_writer
+    import lightning_fsdp.checkpoint.io.full_writer as full_writer
 
     real = full_writer.open_zipfile_writer
     written = {}

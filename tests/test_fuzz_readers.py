@@ -40,10 +40,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lightning_fsdp.checkpoint.agreement import CheckpointError
-from lightning_fsdp.checkpoint.checksums import verify_loaded, verify_sharded
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata, load_file
+from lightning_fsdp.checkpoint.integrity.sharded_read import verify_sharded
+from lightning_fsdp.checkpoint.integrity.zipfiles import verify_loaded
 from lightning_fsdp.checkpoint.load import load_checkpoint
-from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata, load_file
 from lightning_fsdp.cli import main
 
 SEED = 26

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
                                                    TensorStorageMetadata)
 
-from lightning_fsdp.checkpoint.hf_checks import check_sharding_info, check_weights, index_files
+from lightning_fsdp.checkpoint.formats.hf_checks import check_sharding_info, check_weights, index_files
 
 
 def metadata(chunks: dict[str, list[tuple[list[int], list[int]]]]) -> Metadata:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fsdp.checkpoint.lightning_layouts import (
+from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     checkpoint_keys_used,
     fqn_keyed_optimizer_state,
     read_entry,

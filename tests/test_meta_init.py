@@ -4,8 +4,8 @@
 import pytest
 
 from launch import case_tests
-from lightning_fsdp.config import FSDPConfig
-from lightning_fsdp.meta_init import SKIP
+from lightning_fsdp.engine.config import FSDPConfig
+from lightning_fsdp.engine.meta_init import SKIP
 
 CASES = [
     "hf_llama_matches_its_own_construction",

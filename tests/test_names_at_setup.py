@@ -13,8 +13,8 @@ import pytest
 from torch import nn
 
 from launch import LAUNCH_TIMEOUT_S, free_port, worker_env
+from lightning_fsdp.engine.resharding import parse_reshard_after_forward
 from lightning_fsdp.fabric import FSDPStrategy
-from lightning_fsdp.resharding import parse_reshard_after_forward
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
 
 SCRIPT = Path(__file__).parent / "fixtures" / "script_named_model" / "model.py"

@@ -288,7 +288,7 @@ def test_python_form_refuses_options_the_strategy_does_not_have():
         small_plan(world_size=2, state_dict_type="full")
     with pytest.raises(ValueError, match="world_size"):
         small_plan(world_size=0)
-    from lightning_fsdp.config import FSDPConfig
+    from lightning_fsdp.engine.config import FSDPConfig
     import inspect
 
     assert set(STRATEGY_OPTIONS) <= set(inspect.signature(FSDPConfig.from_arguments).parameters)

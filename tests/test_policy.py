@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
-from lightning_fsdp.policy import (
+from lightning_fsdp.engine.policy import (
     Policy,
     candidate_block_classes,
     describe_units,

@@ -59,7 +59,7 @@ def trainer_reference(tmp_path_factory) -> Path:
 
 
 def test_slurm_sigusr1_saves_requeues_and_resumes(tmp_path, trainer_reference):
-    from lightning_fsdp.checkpoint.checksums import verify_checkpoint
+    from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 
     root = tmp_path
     record = root / "scontrol.log"

@@ -5,9 +5,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY, _StrategyRegistry
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-import lightning_fsdp  # noqa: F401 - importing registers the names
-from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.fabric import FSDPStrategy
+import lightning_fsdp  # noqa: F401 - importing registers the names
 
 
 @pytest.mark.parametrize(
@@ -50,11 +50,11 @@ def test_the_connector_patch_is_in_place_and_wraps_lightnings_own_check():
     # instead of the strings silently falling back to Lightning's refusal.
     import inspect
 
-    from lightning_fsdp._compat import FabricConnector, TrainerConnector
+    from lightning_fsdp._base.compat import FabricConnector, TrainerConnector
 
     for connector in (FabricConnector, TrainerConnector):
         check = connector._check_strategy_and_fallback
-        assert getattr(check, "_lightning_fsdp_accepts_names", False), f"{connector.__name__} is not patched"
+        assert getattr(check, "_lightning_fsdp_wrapper", False), f"{connector.__name__} is not patched"
         original = inspect.getsource(check.__wrapped__)
         assert "self._strategy_flag" in original and "FSDP" in original, (
             f"Lightning's {connector.__name__}._check_strategy_and_fallback changed; review registry.py"

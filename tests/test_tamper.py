@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from launch import case_tests
-from lightning_fsdp.checkpoint.safe_pickle import UnsafeCheckpointError, load_dcp_metadata, tensor_record_paths
+from lightning_fsdp.checkpoint.integrity.safe_pickle import UnsafeCheckpointError, load_dcp_metadata
+from lightning_fsdp.checkpoint.integrity.zip_index import tensor_record_paths
 
 CASES = [
     "swapped_files_are_refused_on_every_rank",
@@ -48,7 +49,7 @@ def _dag(levels):
 
 
 def test_walks_visit_shared_containers_once_and_keep_them_shared():
-    from lightning_fsdp.checkpoint import tree
+    from lightning_fsdp.checkpoint.integrity import tree
 
     dag = _dag(60)
     copy = tree.map_leaves({"a": dag, "b": (dag, torch.zeros(1))}, lambda leaf, path: leaf, what="x")
@@ -61,7 +62,7 @@ def test_walks_visit_shared_containers_once_and_keep_them_shared():
 
 
 def test_walks_stop_at_the_depth_bound_naming_the_data():
-    from lightning_fsdp.checkpoint import tree
+    from lightning_fsdp.checkpoint.integrity import tree
 
     deep = []
     for _ in range(tree.MAX_DEPTH + 5):
@@ -81,7 +82,7 @@ def test_index_walk_of_a_dag_file_finishes(tmp_path):
 
 
 def test_full_writer_writes_shared_state_once(tmp_path):
-    from lightning_fsdp.checkpoint.full_writer import write_streaming
+    from lightning_fsdp.checkpoint.io.full_writer import write_streaming
 
     with _no_hang():
         write_streaming(tmp_path / "dag.pt", {"model": {"w": torch.ones(3)}, "history": _dag(60)}, lambda t: t)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lightning_fsdp.config import ShardingStrategy
+from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.trainer import FSDPStrategy, FSDPTrainerPrecision
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,11 +13,11 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-import lightning_fsdp  # noqa: F401 - importing registers the names
 from lightning_fsdp import fabric, trainer
-from lightning_fsdp.config import ShardingStrategy
-from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp.engine.config import ShardingStrategy
+from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.trainer import FSDPStrategy, FSDPTrainerPrecision
+import lightning_fsdp  # noqa: F401 - importing registers the names
 from test_errors import STRATEGY_CASES
 
 

@@ -4,7 +4,7 @@ optimization, metrics, the "fsdp" string on CPU, and WeightAveraging (see ``work
 import pytest
 
 from launch import case_tests
-from lightning_fsdp._compat import WeightAveraging
+from lightning_fsdp._base.compat import WeightAveraging
 
 CASES = [
     "validate_then_fit_trains_every_unit",

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 import lightning_fsdp
 from launch import case_tests
 from lightning_fsdp import cli
-from lightning_fsdp.checkpoint.readers import UsageError, open_checkpoint
-from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata
+from lightning_fsdp.checkpoint.io.readers import UsageError, open_checkpoint
 
 CASES = [
     "joint_setup_trains_and_the_unpickling_opt_in_works_as_named",
@@ -60,7 +60,7 @@ def _newer_format_checkpoint(path: Path, monkeypatch) -> Path:
 
 
 def test_a_newer_tensor_metadata_names_the_recorded_writer_and_the_needed_torch(tmp_path, monkeypatch):
-    from lightning_fsdp.checkpoint.torch_versions import NewerTorchFormatError
+    from lightning_fsdp.checkpoint.formats.torch_versions import NewerTorchFormatError
 
     path = _newer_format_checkpoint(tmp_path / "ckpt", monkeypatch)
     # The control: this torch itself fails on the file, with the bare message the issue quotes.

@@ -1,14 +1,14 @@
 """lightning-fsdp: an FSDP2 strategy for Lightning Fabric and the Lightning Trainer.
 
 Importing the package registers ``"fsdp"``, ``"fsdp_cpu_offload"`` and ``"hsdp"`` in Fabric's and in the Trainer's
-strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp.registry`), and makes both fronts' strategies
+strategy registries, usable on CPU as on GPU (see :mod:`lightning_fsdp._fronts.registry`), and makes both fronts' strategies
 virtual subclasses of Lightning's ``FSDPStrategy``, so Lightning's and litgpt's ``isinstance`` checks take their FSDP
-branch (see :mod:`lightning_fsdp.dropin`).
+branch (see :mod:`lightning_fsdp._fronts.dropin`).
 """
 
-from lightning_fsdp.config import FSDPConfig, ShardingStrategy
-from lightning_fsdp.fabric_load import fabric_load
-from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp._fronts.fabric_load import fabric_load
+from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.pretrained import LoadReport, load_pretrained
 
 __version__ = "0.1.0"
@@ -20,9 +20,11 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_fsdp import dropin, fabric, trainer
-    from lightning_fsdp._compat import FabricConnector, TrainerConnector
-    from lightning_fsdp.registry import accept_names_on_every_accelerator
+    from lightning_fsdp import fabric, trainer
+
+    from lightning_fsdp._fronts import dropin
+    from lightning_fsdp._base.compat import FabricConnector, TrainerConnector
+    from lightning_fsdp._fronts.registry import accept_names_on_every_accelerator
 
     fabric.FSDPStrategy.register_strategies(STRATEGY_REGISTRY)
     trainer.FSDPStrategy.register_strategies(StrategyRegistry)

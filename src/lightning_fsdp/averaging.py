@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 
-from lightning_fsdp._compat import WeightAveraging, averaged_model, lightning_version
+from lightning_fsdp._base.compat import WeightAveraging, averaged_model, lightning_version
 from lightning_fsdp.checkpoint.save import sharded_model_state
 
 __all__ = [
@@ -79,7 +79,7 @@ def refuse_copying_a_sharded_model(trainer: Trainer, model: Optional[Module], sh
 
 def refuse_stochastic_weight_averaging(trainer: Trainer) -> None:
     """Before the callbacks' ``setup``, where ``StochasticWeightAveraging`` would refuse us with Lightning's bare "SWA
-    does not currently support sharded models" (it sees an ``FSDPStrategy``; see :mod:`lightning_fsdp.dropin`): the
+    does not currently support sharded models" (it sees an ``FSDPStrategy``; see :mod:`lightning_fsdp._fronts.dropin`): the
     same refusal and exception type, with the callback that does work."""
     if not any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
         return

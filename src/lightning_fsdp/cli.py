@@ -26,8 +26,6 @@ import json
 import sys
 from typing import Any, Callable, Optional
 
-from lightning_fsdp.checkpoint.agreement import CheckpointError
-from lightning_fsdp.checkpoint.checksums import ChecksumError, verify_checkpoint
 from lightning_fsdp.checkpoint.convert import (
     FORMATS,
     UsageError,
@@ -37,6 +35,9 @@ from lightning_fsdp.checkpoint.convert import (
     open_checkpoint,
     parse_size,
 )
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
+from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]

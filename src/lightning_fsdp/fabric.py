@@ -1,6 +1,6 @@
 """The Fabric front: ``Fabric(strategy=FSDPStrategy(...))``.
 
-This class only maps Lightning Fabric's strategy hooks onto :class:`~lightning_fsdp.engine.FSDPEngine`. Anything
+This class only maps Lightning Fabric's strategy hooks onto :class:`~lightning_fsdp.engine.core.FSDPEngine`. Anything
 that is not about Fabric's API belongs in the engine, so the Trainer front can share it.
 """
 
@@ -26,16 +26,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import checkpoint
-from lightning_fsdp._compat import FABRIC_SETUP_TAKES_SCHEDULER
-from lightning_fsdp._compat import BackwardSyncControl as _BackwardSyncControl
-from lightning_fsdp._compat import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher
-from lightning_fsdp._compat import Sharded as _Sharded
-from lightning_fsdp.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
-from lightning_fsdp.engine import FSDPEngine
-from lightning_fsdp.front import FrontMixin, config_arguments
-from lightning_fsdp.meta_init import empty_init_context
-from lightning_fsdp.policy import PolicyInput
-from lightning_fsdp.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
+from lightning_fsdp._base.compat import BackwardSyncControl as _BackwardSyncControl, FABRIC_SETUP_TAKES_SCHEDULER
+from lightning_fsdp._base.compat import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher, Sharded as _Sharded
+from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
+from lightning_fsdp.engine.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
+from lightning_fsdp.engine.core import FSDPEngine
+from lightning_fsdp.engine.meta_init import empty_init_context
+from lightning_fsdp.engine.policy import PolicyInput
+from lightning_fsdp.engine.precision import FSDPPrecision, PrecisionName, as_fsdp_precision
 
 __all__ = ["FSDPStrategy"]
 
@@ -57,12 +55,12 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         cpu_offload: ``True`` or a ``CPUOffloadPolicy``: keep sharded parameters, gradients and optimizer state in
             host memory (pinned on CUDA).
         mixed_precision: a ``MixedPrecisionPolicy`` that overrides the one the precision setting implies.
-        auto_wrap_policy: which modules become FSDP units; see :mod:`lightning_fsdp.policy`. Default ``"auto"``.
+        auto_wrap_policy: which modules become FSDP units; see :mod:`lightning_fsdp.engine.policy`. Default ``"auto"``.
         activation_checkpointing_policy: which modules recompute activations in backward; same policy language, or
             a dict for finer control: ``{"blocks": [Block], "every": 2}`` checkpoints every 2nd block (the 2nd, 4th,
             ... in module order); ``{"save_ops": "default"}`` is op-level selective checkpointing (the outputs of
             matmuls and attention are saved, pointwise ops recomputed), ``"save_ops"`` also takes a list of op
-            names such as ``"torch.ops.aten.mm"``. See :mod:`lightning_fsdp.activation_checkpointing`.
+            names such as ``"torch.ops.aten.mm"``. See :mod:`lightning_fsdp.engine.activation_checkpointing`.
         activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
         sharding_strategy: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD`` or
             ``_HYBRID_SHARD_ZERO2`` (any case), or torch's ``ShardingStrategy`` enum.
@@ -74,10 +72,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             forward, so backward gathers within the group; or a dict per unit, keyed by ``"root"``, a module class
             (object, dotted path or bare name) or a module name (``"blocks.11"``), e.g. ``{"root": True, "Block":
             2}``; units not named follow ``sharding_strategy``. Keys are read at setup, against the model (a
-            submodule name first), never imported at construction. See :mod:`lightning_fsdp.resharding`.
+            submodule name first), never imported at construction. See :mod:`lightning_fsdp.engine.resharding`.
         forward_prefetch: how many units ahead each unit starts the all-gather in forward. ``0`` (default) is
             FSDP2's own behaviour; ``True`` means 1. Units are assumed to run in module-tree order (a ``ModuleList``
-            of blocks called in a loop); see :mod:`lightning_fsdp.prefetch`.
+            of blocks called in a loop); see :mod:`lightning_fsdp.engine.prefetch`.
         backward_prefetch: how many units ahead, in backward order, each unit starts the all-gather. ``1`` (default)
             is FSDP2's own behaviour, and FSDP1's ``BackwardPrefetch.BACKWARD_PRE``; FSDP2 cannot go lower.
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp.failures import explain_collective_failure
+from lightning_fsdp._base.failures import explain_collective_failure
 
 __all__ = ["Preemption", "ACTIONS", "DEFAULT_SIGNALS", "requeue_slurm_job"]
 

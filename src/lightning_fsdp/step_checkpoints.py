@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_fsdp.checkpoint.agreement import together
+from lightning_fsdp.checkpoint.integrity.agreement import together
 from lightning_fsdp.checkpoint.latest import newest_good_checkpoint
 from lightning_fsdp.checkpoint.retention import check_retention, prune
 

@@ -1,13 +1,13 @@
 """The Trainer front: ``Trainer(strategy=FSDPStrategy(...))`` and ``trainer.strategy`` in LightningCLI YAML.
 
 This module only maps the Lightning Trainer's strategy and precision hooks onto
-:class:`~lightning_fsdp.engine.FSDPEngine` and :mod:`~lightning_fsdp.checkpoint`. Anything that is not about the
+:class:`~lightning_fsdp.engine.core.FSDPEngine` and :mod:`~lightning_fsdp.checkpoint`. Anything that is not about the
 Trainer's API belongs in the engine, so the Fabric front can share it.
 
 How the Trainer's pieces land on the engine:
 
 - the LightningModule is sharded at ``setup`` as a *harness*: its ``training_step`` calls submodules, not its own
-  ``forward``, so its top-level submodules become FSDP root units (see :func:`lightning_fsdp.sharding.harness_roots`);
+  ``forward``, so its top-level submodules become FSDP root units (see :func:`lightning_fsdp.engine.sharding.harness_roots`);
 - gradient accumulation (``accumulate_grad_batches``, ``toggle_model(sync_grad=False)``) enters the engine's
   ``no_backward_sync`` through ``block_backward_sync``;
 - gradient clipping, which Lightning routes through the precision plugin, uses the engine's sharded clipping;
@@ -44,20 +44,20 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp import averaging, checkpoint
-from lightning_fsdp._compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
-from lightning_fsdp.checkpoint.lightning_layouts import (
+from lightning_fsdp._base.compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
+from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
     id_keyed_optimizer_state,
 )
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.checkpoint.state import holds_dtensors
-from lightning_fsdp.config import FSDPConfig
-from lightning_fsdp.engine import FSDPEngine
-from lightning_fsdp.front import FrontMixin, config_arguments
-from lightning_fsdp.meta_init import empty_init_context
-from lightning_fsdp.policy import PolicyInput
-from lightning_fsdp.precision import FSDPPrecision, as_fsdp_precision
+from lightning_fsdp.engine.config import FSDPConfig
+from lightning_fsdp.engine.core import FSDPEngine
+from lightning_fsdp.engine.meta_init import empty_init_context
+from lightning_fsdp.engine.policy import PolicyInput
+from lightning_fsdp.engine.precision import FSDPPrecision, as_fsdp_precision
 
 __all__ = ["FSDPStrategy", "FSDPTrainerPrecision"]
 
@@ -65,7 +65,7 @@ _SHARDED_OPTIMIZER_KEY = "optimizer_{}"
 
 
 class FSDPTrainerPrecision(FSDPPrecision, Precision):
-    """:class:`~lightning_fsdp.precision.FSDPPrecision` with the Trainer's hooks: the optimizer step runs Lightning's
+    """:class:`~lightning_fsdp.engine.precision.FSDPPrecision` with the Trainer's hooks: the optimizer step runs Lightning's
     closure (and, under ``16-mixed``, unscales before clipping), and clipping works on sharded gradients.
 
     Lightning's own FSDP precision refuses ``gradient_clip_algorithm="norm"``; here both algorithms work.

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import full, global_batch, loss_fn, make_fabric, sgd, unit_states
 from harness import CASES, assert_close, case, run_cases
-from lightning_fsdp._compat import CheckpointWrapper
+from lightning_fsdp._base.compat import CheckpointWrapper
 from models import Block, TinyTransformer, make_batch
 
 WORLD = int(os.environ.get("WORLD_SIZE", "2"))

@@ -17,7 +17,7 @@ import torch
 
 from common import loss_fn, make_fabric
 from lightning_fsdp.checkpoint.save import sharded_model_state, write_full
-from lightning_fsdp.precision import FSDPPrecision
+from lightning_fsdp.engine.precision import FSDPPrecision
 from models import TinyTransformer, make_batch
 
 MODE = os.environ["LFSDP_DEAD_MODE"]  # see PHASES, or "die_in_full_load"

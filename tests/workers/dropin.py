@@ -1,5 +1,5 @@
 """Two-rank cases for the sites where Lightning and litgpt branch on ``isinstance(strategy, FSDPStrategy)``, which
-answer True for our strategies (``lightning_fsdp.dropin``): each site's FSDP branch must do the right thing with ours.
+answer True for our strategies (``lightning_fsdp._fronts.dropin``): each site's FSDP branch must do the right thing with ours.
 
 - ``Trainer.fit(torch.compile(module))`` is accepted and trains exactly as the uncompiled module does;
 - the precision each connector picks is our plugin, and it trains, for every precision name on both fronts;
@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from common import full, full_params, loss_fn, make_fabric, shared_tmpdir, train_steps
 from harness import case, run_cases
-from lightning_fsdp.precision import DTensorGradScaler, FSDPPrecision
+from lightning_fsdp.engine.precision import DTensorGradScaler, FSDPPrecision
 from lightning_fsdp.trainer import FSDPTrainerPrecision
 from models import TinyTransformer
 from trainer_common import ATOL, WORLD, LitGPT, compare_params, gathered, loader, make_trainer, reference_fit, strategy

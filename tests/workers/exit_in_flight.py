@@ -13,7 +13,7 @@ exit does not stop the worker. In a real job the window is a few milliseconds; h
   waits for the GIL until finalization; an object with a finalizer that sleeps hands the GIL over then;
 - rank 1 joins the all-reduce shortly after the marker appears.
 
-Without the wait at exit in ``lightning_fsdp/process_exit.py`` rank 0 aborts; with it, the library's handler holds
+Without the wait at exit in ``lightning_fsdp/_base/process_exit.py`` rank 0 aborts; with it, the library's handler holds
 the exit until the worker has dropped the work, and both ranks exit 0.
 """
 
@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import make_fabric  # noqa: E402
 from harness import case, rank, run_cases  # noqa: E402
-from lightning_fsdp.process_exit import busy_collective_threads  # noqa: E402
+from lightning_fsdp._base.process_exit import busy_collective_threads  # noqa: E402
 
 KEPT: list = []  # alive until the interpreter's teardown, as a user's model and tensors are
 JOIN_AFTER_S = 0.1  # rank 1 joins the all-reduce this long after rank 0 started exiting

@@ -31,7 +31,7 @@ from common import (
     unit_states,
 )
 from harness import case, run_cases
-from lightning_fsdp.precision import DTensorGradScaler, FSDPPrecision
+from lightning_fsdp.engine.precision import DTensorGradScaler, FSDPPrecision
 from models import Block, TinyTransformer, make_batch
 
 STEPS = 5
@@ -57,7 +57,7 @@ def _states_after_a_training_forward(fabric) -> dict:
 
 
 def _parity(blocks_after_forward="sharded", **strategy_kwargs):
-    from lightning_fsdp._compat import CheckpointWrapper
+    from lightning_fsdp._base.compat import CheckpointWrapper
 
     fabric = make_fabric(WORLD, **strategy_kwargs)
     states, offload = _states_after_a_training_forward(fabric)
@@ -339,7 +339,7 @@ def existing_fsdp_units_are_respected():
 
 @case
 def existing_checkpoint_wrappers_are_not_wrapped_twice():
-    from lightning_fsdp._compat import CheckpointWrapper, checkpoint_wrapper
+    from lightning_fsdp._base.compat import CheckpointWrapper, checkpoint_wrapper
 
     fabric = make_fabric(WORLD, activation_checkpointing_policy={Block})
     torch.manual_seed(0)

@@ -235,7 +235,7 @@ def saving_never_overwrites_user_files():
 
 @case
 def load_recovers_a_checkpoint_left_aside_by_a_crashed_save():
-    from lightning_fsdp.checkpoint.atomic import backup_path
+    from lightning_fsdp.checkpoint.io.atomic import backup_path
 
     fabric = make_fabric(WORLD)
     model, opt = _trained(fabric)

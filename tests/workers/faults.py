@@ -319,7 +319,7 @@ def _disk_fills_after(room: int, on_rank: int, rank: int):
     """On ``on_rank``, every checkpoint file opened for writing fills up after ``room`` bytes: DCP's streams and
     the full writer's and ``meta.pt``'s files alike. Inside a ``torch.save`` record, torch's C++ writer turns the
     ENOSPC into "unexpected pos" and loses it: the case the recording streams exist for."""
-    from lightning_fsdp.checkpoint import full_writer
+    from lightning_fsdp.checkpoint.io import full_writer
 
     original_stream = dcp_fs.FileSystem.create_stream
 

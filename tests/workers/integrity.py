@@ -26,8 +26,9 @@ import torch.distributed.checkpoint as dcp
 
 from common import full_params, loss_fn, make_fabric, shared_tmpdir
 from harness import case, run_cases
-from lightning_fsdp.checkpoint.checksums import verify_checkpoint
-from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata, tensor_record_names
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata
+from lightning_fsdp.checkpoint.integrity.zip_index import tensor_record_names
+from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from models import TinyTransformer, make_batch
 
 WORLD = 2
@@ -340,7 +341,7 @@ def async_saves_record_checksums():
 def crc32_checkpoints_still_verify():
     """Checkpoints recorded with CRC-32 (everything saved before xxh3) load, verify, and still catch a flipped byte;
     new ones record xxh3, and their full files still load with plain ``torch.load``."""
-    from lightning_fsdp.checkpoint import checksums
+    from lightning_fsdp.checkpoint.integrity import digests
 
     fabric = make_fabric(WORLD)
     full_fabric = make_fabric(WORLD, state_dict_type="full")
@@ -349,12 +350,12 @@ def crc32_checkpoints_still_verify():
     root = shared_tmpdir(fabric)
     good = full_params(model)
     paths = {"sharded": root / "sharded", "full": root / "full.pt"}
-    checksums.ALGORITHM = "crc32"  # what the writers recorded before
+    digests.ALGORITHM = "crc32"  # what the writers recorded before
     try:
         fabric.save(paths["sharded"], {"model": model, "optimizer": opt})
         full_fabric.save(paths["full"], {"model": model, "optimizer": opt})
     finally:
-        checksums.ALGORITHM = "xxh3_64"
+        digests.ALGORITHM = "xxh3_64"
     new = root / "new.pt"
     full_fabric.save(new, {"model": model, "optimizer": opt})
     assert json.loads((paths["sharded"] / "checksums.json").read_text())["algorithm"] == "crc32"

@@ -56,7 +56,7 @@ def _arm(point: str, rank: int) -> None:
 
         fs.FileSystemWriter.write_data = write_half_then_die
     elif point == "full_write":
-        import lightning_fsdp.checkpoint.full_writer as fw
+        import lightning_fsdp.checkpoint.io.full_writer as fw
 
         original = fw.open_zipfile_writer
 
@@ -83,7 +83,7 @@ def _arm(point: str, rank: int) -> None:
 
         fw.open_zipfile_writer = DyingWriter
     elif point == "between_renames":
-        import lightning_fsdp.checkpoint.atomic as atomic
+        import lightning_fsdp.checkpoint.io.atomic as atomic
 
         original = atomic.os.replace
         calls = {"n": 0}

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common import full, make_fabric
 from harness import assert_close, case, run_cases
-from lightning_fsdp._compat import CheckpointWrapper
+from lightning_fsdp._base.compat import CheckpointWrapper
 from models import TinyTransformer, fill_with_half
 from trainer_common import loader, make_trainer, strategy
 

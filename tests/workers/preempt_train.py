@@ -78,7 +78,7 @@ def _arm_in_save(step: int) -> None:
     kinds = [k for k in ("sigterm_in_save", "kill_in_save") if (k, step) in EVENTS]
     if not kinds:
         return
-    from lightning_fsdp.checkpoint.checksums import ChecksumWriter
+    from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
 
     original = ChecksumWriter.write_data
 

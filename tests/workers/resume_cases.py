@@ -97,7 +97,7 @@ def retention_deletes_only_after_the_newer_commit():
     checkpoints.save(state)
     ASYNC_FABRIC.strategy.wait_for_saves()
     # Hold the next background write until we have looked: DCP's write of rank 0's shard waits on this event.
-    from lightning_fsdp.checkpoint.checksums import ChecksumWriter
+    from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
 
     release = threading.Event()
     original = ChecksumWriter.write_data

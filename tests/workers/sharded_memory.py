@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from common import make_fabric
 from harness import TIMEOUT, case, run_cases
-from lightning_fsdp._compat import planner_tools
+from lightning_fsdp._base.compat import planner_tools
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
 from planned_lit import Block as PlannedBlock, PlannedLit, batch as planned_batch
 

@@ -27,7 +27,7 @@ import torch
 
 from common import full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir
 from harness import case, run_cases
-from lightning_fsdp.checkpoint.safe_pickle import load_dcp_metadata
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata
 from models import TinyTransformer, make_batch
 
 WORLD = 2

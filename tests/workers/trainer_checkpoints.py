@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from harness import case, run_cases
-from lightning_fsdp.precision import DTensorGradScaler
+from lightning_fsdp.engine.precision import DTensorGradScaler
 from lightning_fsdp.trainer import FSDPTrainerPrecision
 from models import UnevenModel
 from trainer_common import LitGPT, adamw, compare_params, gathered, loader, make_trainer, reference_fit, strategy

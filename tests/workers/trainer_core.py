@@ -15,8 +15,8 @@ from torch.utils.data import DistributedSampler
 
 from common import offload_policies, unit_states
 from harness import case, run_cases
-from lightning_fsdp._compat import CheckpointWrapper
-from lightning_fsdp.sharding import has_meta_tensors
+from lightning_fsdp._base.compat import CheckpointWrapper
+from lightning_fsdp.engine.sharding import has_meta_tensors
 from lightning_fsdp.trainer import FSDPTrainerPrecision
 from models import TinyTransformer
 from trainer_common import (

@@ -19,7 +19,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from common import loss_fn
 from harness import assert_close, case, run_cases
-from lightning_fsdp._compat import WeightAveraging
+from lightning_fsdp._base.compat import WeightAveraging
 
 if WeightAveraging is not None:
     from lightning.pytorch.callbacks import EMAWeightAveraging

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common import loss_fn
 from harness import TIMEOUT, case, run_cases
-from lightning_fsdp.checkpoint.checksums import ChecksumWriter
-from lightning_fsdp.checkpoint.layout import is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.layout import is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
 from lightning_fsdp.trainer import FSDPStrategy
 from models import TinyTransformer
 

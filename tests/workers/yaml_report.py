@@ -13,7 +13,7 @@ import os
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from lightning_fsdp._compat import CheckpointWrapper
+from lightning_fsdp._base.compat import CheckpointWrapper
 
 
 def _class_name(unit) -> str:

@@ -1,16 +1,22 @@
-"""Full and sharded checkpoints for FSDP2 models.
+"""Full and sharded checkpoints for FSDP2 models: the operations users call, over three sub-packages.
 
-- :mod:`.layout` knows the on-disk formats and tells them apart.
-- :mod:`.state` sorts a user's ``state`` dict into models, optimizers and metadata.
-- :mod:`.save` and :mod:`.load` write and read them; :mod:`.full_writer` streams full files one tensor at a time.
-- :mod:`.atomic` makes every save replace the previous checkpoint only once the new one is complete.
-- :mod:`.agreement` makes a failure on one rank an error on every rank.
-- :mod:`.convert` is the offline ``convert``/``inspect`` command's glue over :mod:`.readers` (open a checkpoint,
-  read its tensors a batch at a time), :mod:`.writers` (full, sharded, safetensors output) and :mod:`.memory`.
+- operations: :mod:`.save` and :mod:`.load` (both fronts' ``save``/``load``), :mod:`.convert` (the ``convert`` and
+  ``inspect`` commands), :mod:`.latest` (the newest good checkpoint), :mod:`.retention` (keep the newest N),
+  :mod:`.state` (a user's ``state`` dict sorted into models, optimizers and the rest), :mod:`.fit` (loaded values
+  into live objects), :mod:`.hf` (Hugging Face safetensors into the shards);
+- :mod:`.io`: moving bytes (readers, writers, atomic commit, staging, background saves);
+- :mod:`.integrity`: the bytes read are the bytes saved (checksums, the allow-list unpickler, bounded walks), and a
+  failure on one rank is an error on every rank;
+- :mod:`.formats`: what checkpoints look like on disk (DCP, Lightning's layouts, safetensors, torch versions).
+
+May import: the engine (a checkpoint reads and writes the engine's sharded models: it reshards them at rest and
+loads full state dicts into their shards) and ``lightning_fsdp._base``. Never the features or the fronts. Inside,
+the operations may import every sub-package, ``io`` may import ``integrity`` and ``formats``, ``integrity`` only
+``formats``, and ``formats`` none of them.
 """
 
-from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator
-from lightning_fsdp.checkpoint.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator
 from lightning_fsdp.checkpoint.load import checkpoint_keys, load_checkpoint
 from lightning_fsdp.checkpoint.save import AsyncSaves, save_checkpoint
 

@@ -1,9 +1,9 @@
 """Offline conversions between checkpoint formats, and their description: the glue of ``lightning-fsdp convert``
 and ``inspect``. Pure functions for one process; nothing here needs a process group.
 
-- :mod:`.readers` opens a checkpoint (metadata only) and reads its tensors a batch at a time;
-- :mod:`.writers` writes them as a full file, a sharded directory or a safetensors export;
-- :mod:`.memory` hands freed memory back to the OS between batches;
+- :mod:`~lightning_fsdp.checkpoint.io.readers` opens a checkpoint (metadata only) and reads its tensors a batch at a time;
+- :mod:`~lightning_fsdp.checkpoint.io.writers` writes them as a full file, a sharded directory or a safetensors export;
+- :mod:`~lightning_fsdp.checkpoint.io.memory` hands freed memory back to the OS between batches;
 - this module checks the options and the destination, and moves a complete output into place atomically.
 
 Nothing holds a whole model in memory: peak memory is about one read batch plus what the writer must hold (one
@@ -12,8 +12,8 @@ tensor is 8 MiB, converting to one safetensors file and to a full file each peak
 (``benchmarks/convert_memory.py``); ``tests/workers/convert_memory.py`` holds the bound in the tests.
 
 Nothing is unpickled freely unless ``allow_pickle`` is given: DCP's ``.metadata`` goes through the allow-list of
-:mod:`.safe_pickle`, everything else through ``torch.load(weights_only=True)``. Sharded sources are checked against
-their checksums as they are read, full sources before (:mod:`.checksums`), and sharded outputs record checksums.
+:mod:`~lightning_fsdp.checkpoint.integrity.safe_pickle`, everything else through ``torch.load(weights_only=True)``. Sharded sources are checked against
+their checksums as they are read, full sources before (:mod:`~lightning_fsdp.checkpoint.integrity`), and sharded outputs record checksums.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from lightning_fsdp.checkpoint import atomic
-from lightning_fsdp.checkpoint.checksums import verify_zip
-from lightning_fsdp.checkpoint.readers import Checkpoint, TensorEntry, UsageError, _reading, open_checkpoint
-from lightning_fsdp.checkpoint.writers import (
+from lightning_fsdp.checkpoint.integrity.zipfiles import verify_zip
+from lightning_fsdp.checkpoint.io import atomic
+from lightning_fsdp.checkpoint.io.readers import Checkpoint, TensorEntry, UsageError, _reading, open_checkpoint
+from lightning_fsdp.checkpoint.io.writers import (
     SAFETENSORS_FILENAME,
     export_name,
     SAFETENSORS_INDEX_FILENAME,

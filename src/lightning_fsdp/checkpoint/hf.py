@@ -39,9 +39,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.futures import Future
 from torch.nn import Module
 
-from lightning_fsdp.checkpoint import hf_checks
-from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator, together, unreadable
-from lightning_fsdp.checkpoint.safetensors_stream import DTYPE_NAMES
+from lightning_fsdp.checkpoint.formats import hf_checks
+from lightning_fsdp.checkpoint.formats.safetensors_stream import DTYPE_NAMES
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
 

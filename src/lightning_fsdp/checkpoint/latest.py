@@ -2,7 +2,7 @@
 
 A training job that saves every K steps into one directory (``step-00000100``, ``step-00000200``, ... or any names
 ending in the step number) resumes from the newest checkpoint that is complete and passes verification. A save
-that was killed never shows up here (it lives under a hidden staging name until its commit, see :mod:`.atomic`);
+that was killed never shows up here (it lives under a hidden staging name until its commit, see :mod:`~lightning_fsdp.checkpoint.io.atomic`);
 a committed checkpoint damaged afterwards (a truncated shard, flipped bits) fails its checksums and is skipped with
 a warning that names it, and the next older one is used.
 
@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_fsdp.checkpoint.checksums import verify_checkpoint
-from lightning_fsdp.checkpoint.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 
 __all__ = ["LATEST", "step_of", "step_checkpoints", "newest_good_checkpoint", "resolve_latest"]
 
@@ -35,7 +35,7 @@ def step_of(path: Path) -> Optional[int]:
 def step_checkpoints(directory: Union[str, Path]) -> list[Path]:
     """The committed checkpoints in ``directory`` whose names end in a step number, oldest step first.
 
-    Hidden entries are left out: they are staging copies of saves in flight or killed, and backups (:mod:`.atomic`).
+    Hidden entries are left out: they are staging copies of saves in flight or killed, and backups (:mod:`~lightning_fsdp.checkpoint.io.atomic`).
     Only the on-disk format is checked here (cheap); contents are verified by :func:`newest_good_checkpoint`.
     """
     directory = Path(directory)

@@ -5,7 +5,7 @@
 - **Full** (one file): only rank 0 opens it, memory-mapped, and the state-dict API broadcasts one tensor at a time
   and keeps each rank's shard, so no rank ever holds the whole checkpoint in memory.
 
-Every read that can fail on one rank alone is followed by an agreement step (:mod:`.agreement`), so a corrupted
+Every read that can fail on one rank alone is followed by an agreement step (:mod:`~lightning_fsdp.checkpoint.integrity.agreement`), so a corrupted
 or truncated checkpoint raises the same error, naming the file, on every rank.
 """
 
@@ -27,22 +27,25 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp._compat import weights_only_hint
-from lightning_fsdp.checkpoint import atomic, checksums, hf
-from lightning_fsdp.checkpoint.agreement import CheckpointError, Communicator, together
-from lightning_fsdp.checkpoint import fit
-from lightning_fsdp.checkpoint.latest import resolve_latest
-from lightning_fsdp.checkpoint.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
-from lightning_fsdp.checkpoint.lightning_layouts import (
+from lightning_fsdp._base.compat import weights_only_hint
+from lightning_fsdp.checkpoint import fit, hf
+from lightning_fsdp.checkpoint.formats.layout import DCP_METADATA_FILENAME, METADATA_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_OPTIMIZER_LIST_KEY,
     checkpoint_keys_used,
     fqn_keyed_optimizer_state,
     read_entry,
     remap_requested_keys,
 )
-from lightning_fsdp.checkpoint.safe_pickle import load_bytes, load_dcp_metadata, load_file
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
+from lightning_fsdp.checkpoint.integrity.digests import note_unverified
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
+from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
+from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
+from lightning_fsdp.checkpoint.io import atomic
+from lightning_fsdp.checkpoint.latest import resolve_latest
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
-from lightning_fsdp.full_state_load import has_own_load_hooks, load_full_from_rank0
+from lightning_fsdp.engine.full_state_load import has_own_load_hooks, load_full_from_rank0
 
 __all__ = ["load_checkpoint", "checkpoint_keys"]
 
@@ -147,10 +150,10 @@ def _load_sharded(
     def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any]]:
         # Every file must belong to this save before any is used (`.metadata` decides where bytes go, `meta.pt`
         # holds the step); then meta.pt's own zip records are checked.
-        if not checksums.check_files(source) and comm.global_rank == 0:
-            checksums.note_unverified(source)
+        if not check_files(source) and comm.global_rank == 0:
+            note_unverified(source)
         if meta_file.is_file():
-            checksums.verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
+            verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
         entries = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only).state_dict_metadata
         return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries
@@ -172,7 +175,7 @@ def _load_sharded(
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
     # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads.
-    reader = checksums.VerifyingReader(source, allow_pickle=not weights_only)
+    reader = VerifyingReader(source, allow_pickle=not weights_only)
     together(comm, f"Reading the shards of {str(source)!r}",
              lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
     options = StateDictOptions(strict=strict)
@@ -191,7 +194,7 @@ def _load_full(
 ) -> dict[str, Any]:
     # Rank 0 maps the file; the others learn its keys and its non-tensor entries, then receive tensors one by one.
     contents: dict[str, Any] = {}
-    verifiers: list[checksums.LoadVerifier] = []  # rank 0's, once the file is open
+    verifiers: list[LoadVerifier] = []  # rank 0's, once the file is open
 
     def open_file() -> None:
         if comm.global_rank == 0:  # only rank 0 reads the file, so only rank 0 checks it
@@ -199,9 +202,9 @@ def _load_full(
             # records' checksums by the reader, which names the damage if that is the cause.
             loaded = _torch_load(source, weights_only)
             # Checked as the broadcasts below read each tensor, in the same mapping (see LoadVerifier).
-            verifiers.append(checksums.LoadVerifier.open(source, loaded))
+            verifiers.append(LoadVerifier.open(source, loaded))
             if not verifiers[0].recorded:
-                checksums.note_unverified(source)
+                note_unverified(source)
             if not isinstance(loaded, dict):
                 raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
             contents.update({next(iter(split.models)): loaded} if bare_model else loaded)

@@ -1,7 +1,7 @@
 """Writing checkpoints: sharded (DCP), full (one file from rank 0), and sharded in the background.
 
 Every save writes to a staging path beside the target and moves it into place only when complete
-(:mod:`.atomic`), and every failure is raised on all ranks (:mod:`.agreement`).
+(:mod:`~lightning_fsdp.checkpoint.io.atomic`), and every failure is raised on all ranks (:mod:`~lightning_fsdp.checkpoint.integrity.agreement`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.checkpoint import atomic, in_flight
-from lightning_fsdp.checkpoint.checksums import ChecksumWriter, new_save_id
-from lightning_fsdp.checkpoint.agreement import Communicator, together
-from lightning_fsdp.checkpoint.full_writer import save_file, write_full_checkpoint
-from lightning_fsdp.checkpoint.layout import METADATA_FILENAME
-from lightning_fsdp.checkpoint.staging import ReusedStaging
+from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME
+from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
+from lightning_fsdp.checkpoint.integrity.digests import new_save_id
+from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
+from lightning_fsdp.checkpoint.io import atomic, in_flight
+from lightning_fsdp.checkpoint.io.full_writer import save_file, write_full_checkpoint
+from lightning_fsdp.checkpoint.io.staging import ReusedStaging
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
 __all__ = [
@@ -86,7 +87,7 @@ def _write_sharded(
     path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any], comm: Communicator,
     background: Optional[AsyncSaves],
 ) -> Path:
-    # `meta.pt` goes first, in both modes: the checksums DCP's last step records bind it to the save (`.checksums`).
+    # `meta.pt` goes first, in both modes: the checksums DCP's last step records bind it to the save (:mod:`~lightning_fsdp.checkpoint.integrity.sharded_write`).
     def stage_metadata(staged: Path) -> None:
         staged.mkdir(parents=True)
         save_file(metadata, staged / METADATA_FILENAME)
@@ -111,7 +112,7 @@ def _write_sharded(
 
 def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
     """Write ``obj`` as one ``torch.save`` file from rank 0, gathering DTensors one at a time as they are written,
-    so rank 0 never holds the whole model (:mod:`.full_writer`)."""
+    so rank 0 never holds the whole model (:mod:`~lightning_fsdp.checkpoint.io.full_writer`)."""
     with comm.guard(f"saving the checkpoint {str(path)!r}"):
         return _write_full(path, obj, comm)
 
@@ -137,7 +138,7 @@ def _prepare(
     Rank 0 names everything, in one broadcast (each collective is a visible share of a background save's call): the
     target, the path as given (a symbolic link there is replaced by the new checkpoint, and what it pointed to is
     left alone, see `atomic`), the staging path's token, and the save id that the checksum of every item records
-    (`.checksums`).
+    (:mod:`~lightning_fsdp.checkpoint.integrity.sharded_write`).
     """
     named = (str(Path(path)), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
     resolved, token, save_id = comm.broadcast(named)

@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.at_rest import reshard_all
-from lightning_fsdp.checkpoint.tree import any_leaf
+from lightning_fsdp.checkpoint.integrity.tree import any_leaf
+from lightning_fsdp.engine.at_rest import reshard_all
 
 __all__ = ["SplitState", "split_state", "is_stateful", "holds_dtensors"]
 
@@ -47,7 +47,7 @@ def is_stateful(obj: Any) -> bool:
 
 def holds_dtensors(value: Any) -> bool:
     """Whether ``value`` (nested dicts, lists and tuples) holds a sharded tensor anywhere (each shared container
-    looked at once, see :mod:`.tree`)."""
+    looked at once, see :mod:`~lightning_fsdp.checkpoint.integrity.tree`)."""
     return any_leaf(value, lambda leaf: isinstance(leaf, DTensor), what="the checkpoint state")
 
 

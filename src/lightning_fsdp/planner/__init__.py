@@ -9,6 +9,9 @@
 From a shell: ``lightning-fsdp plan --model mypkg.models:build --inputs mypkg.models:batch --world-size 8``
 (``--help`` lists the options, named as the strategy's arguments). :mod:`.step` runs the planned step,
 :mod:`.plan` reports it, :mod:`.suggest` finds what would make it fit a budget.
+
+A feature. May import: the checkpoint layer (for the command's shared option parsing), the engine (it shards the
+model with the strategy's own code) and ``lightning_fsdp._base``. Never the fronts.
 """
 
 from lightning_fsdp.planner.plan import MAX_WORLD_SIZE, STRATEGY_OPTIONS, MemoryPlan, plan_memory

@@ -25,8 +25,8 @@ __all__ = ["add_plan_command"]
 
 
 def add_plan_command(commands: Any) -> None:
-    from lightning_fsdp.config import ShardingStrategy
-    from lightning_fsdp.precision import SUPPORTED_PRECISION
+    from lightning_fsdp.engine.config import ShardingStrategy
+    from lightning_fsdp.engine.precision import SUPPORTED_PRECISION
 
     strategies = ", ".join(s.value for s in ShardingStrategy)
     plan = commands.add_parser(

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_fsdp.config import FSDPConfig
-from lightning_fsdp.errors import bad_argument
+from lightning_fsdp._base.errors import bad_argument
+from lightning_fsdp.engine.config import FSDPConfig
+from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.planner.step import OPTIMIZERS, BatchSource, ModelSource, StepStats, run_step
-from lightning_fsdp.precision import FSDPPrecision
 
 __all__ = ["plan_memory", "MemoryPlan", "STRATEGY_OPTIONS", "MAX_WORLD_SIZE"]
 

@@ -4,7 +4,7 @@ How: a *fake* process group of the planned world size (collectives that move no 
 (tensors with shapes and dtypes but no storage), and torch's ``FSDPMemTracker``, which attributes every tensor that
 would be alive to a category (sharded parameters, gathered parameters, gradients, optimizer state, activations,
 communication buffers) and records the peak per FSDP unit, in forward and in backward. The model goes through the
-strategy's own :func:`~lightning_fsdp.sharding.shard_model`, so units, activation checkpointing, resharding and
+strategy's own :func:`~lightning_fsdp.engine.sharding.shard_model`, so units, activation checkpointing, resharding and
 mixed precision are the ones a real run gets.
 
 A LightningModule is planned as the Trainer runs it: ``configure_model``, sharding as a harness (its top-level models
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp._compat import data_dependent_errors, planner_tools
-from lightning_fsdp.config import FSDPConfig
-from lightning_fsdp.mesh import build_mesh
-from lightning_fsdp.precision import FSDPPrecision
-from lightning_fsdp.sharding import shard_model
+from lightning_fsdp._base.compat import data_dependent_errors, planner_tools
+from lightning_fsdp.engine.config import FSDPConfig
+from lightning_fsdp.engine.mesh import build_mesh
+from lightning_fsdp.engine.precision import FSDPPrecision
+from lightning_fsdp.engine.sharding import shard_model
 
 __all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS", "PlanningError"]
 

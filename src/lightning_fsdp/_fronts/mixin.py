@@ -1,0 +1,127 @@
+"""What both fronts' strategy classes share that is about Lightning's strategy API rather than about FSDP.
+
+The engine (:mod:`lightning_fsdp.engine.core`) knows nothing of Lightning. The two fronts subclass Lightning's two
+unrelated ``ParallelStrategy`` classes, which name many members alike; :class:`FrontMixin` answers those once, and
+:func:`config_arguments` passes each front's constructor arguments to :class:`~lightning_fsdp.engine.config.FSDPConfig`
+without either front listing them twice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp._fronts.registry import register_into
+from lightning_fsdp.engine.config import FSDPConfig, check_fsdp1_kwargs
+from lightning_fsdp.engine.core import FSDPEngine
+
+__all__ = ["FrontMixin", "config_arguments"]
+
+T = TypeVar("T")
+
+
+class FrontMixin:
+    """What both fronts' strategy classes answer the same way, mixed in before Lightning's base class.
+
+    Lightning's Fabric and Trainer ``ParallelStrategy`` classes are separate, but they name these members alike
+    (``parallel_devices``, ``local_rank``, ``num_nodes``, ``cluster_environment``, ...), so one definition here
+    serves both fronts and no Lightning import is needed. A front sets ``_engine`` and ``_launcher_class``.
+    """
+
+    _engine: FSDPEngine
+    _launcher_class: type
+    _background_saves: Any  # `checkpoint.AsyncSaves`
+
+    @property
+    def config(self) -> FSDPConfig:
+        return self._engine.config
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._engine.mesh
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._engine.process_group_backend
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank, the replicas of a hybrid mesh included.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def checkpoint_io(self) -> Any:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` writes checkpoints itself (DCP or one full file) and has no `CheckpointIO`. HINT: remove the"
+            " `CheckpointIO` plugin from `plugins=`; the strategy saves with `save_checkpoint` itself."
+        )
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not accept a `CheckpointIO` plugin. HINT: remove it from `plugins=[...]`."
+        )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _refuse_storage_options(self, storage_options: Optional[Any]) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
+            )
+
+    @property
+    def communicator(self) -> FSDPEngine:
+        """The collectives that saves and loads agree through (see :mod:`lightning_fsdp.checkpoint.integrity.agreement`)."""
+        return self._engine
+
+    def wait_for_saves(self) -> None:
+        """Block until a background save (``async_save=True``) is committed, raising its error on every rank; call
+        it on every rank. An emergency save must be on disk before the process exits."""
+        self._background_saves.wait(self._engine)
+
+    def after_commit(self, action: Callable[[], Any], what: str) -> None:
+        """Run ``action`` on this rank once the background save in flight, if any, is committed (at once when none
+        is; never if it fails). Retention prunes through this, so it never counts a save that is still being
+        written, and leaves exactly ``keep_last`` once every save is committed. An error of ``action`` is raised
+        on every rank by the next ``wait_for_saves``, save or load, naming ``what``."""
+        self._background_saves.after_commit(action, what)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._engine.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return self._engine.broadcast(obj, src)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_into(strategy_registry, cls)
+
+
+def config_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a front's constructor ``locals()`` that :meth:`FSDPConfig.from_arguments` takes, after checking
+    its ``**kwargs`` (FSDP1 keywords warn, anything else is a ``TypeError``).
+
+    Both fronts name their arguments as ``from_arguments`` does, so this passes them on without either front listing
+    them a second time, and a new argument reaches both fronts' validation the same way. Call it from the front's
+    ``__init__`` itself: warnings point at the frame that called ``__init__``.
+    """
+    check_fsdp1_kwargs(arguments.get("kwargs", {}))
+    names = inspect.signature(FSDPConfig.from_arguments).parameters
+    return {name: value for name, value in arguments.items() if name in names}

@@ -1,0 +1,118 @@
+"""Process groups and the DeviceMesh that ``fully_shard`` runs on.
+
+The mesh always has one of two shapes:
+
+- 1-D ``("shard",)`` for FULL_SHARD and SHARD_GRAD_OP;
+- 2-D ``("replicate", "shard")`` for the hybrid strategies, and ``(world, 1)`` for NO_SHARD, which FSDP2 then
+  treats as plain replication: every rank holds whole parameters and gradients are all-reduced.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional, Protocol, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_fsdp._base.errors import bad_argument
+from lightning_fsdp._base.failures import remember_timeout
+from lightning_fsdp._base.process_exit import register_exit_handler
+from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
+
+__all__ = ["ClusterInfo", "default_backend", "init_process_group", "build_mesh", "SHARD_AXIS", "REPLICATE_AXIS"]
+
+SHARD_AXIS = "shard"
+REPLICATE_AXIS = "replicate"
+
+
+class ClusterInfo(Protocol):
+    """What the engine needs of a cluster environment (Lightning's ``ClusterEnvironment`` satisfies it)."""
+
+    @property
+    def main_address(self) -> str: ...
+
+    @property
+    def main_port(self) -> int: ...
+
+    def global_rank(self) -> int: ...
+
+    def world_size(self) -> int: ...
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(
+    cluster: ClusterInfo, backend: str, device: torch.device, timeout: Optional[timedelta]
+) -> None:
+    """Join the default process group unless this process already has one (several Fabric objects in one process
+    share it)."""
+    if dist.is_initialized():
+        register_exit_handler()  # the user's group is theirs to destroy; the wait for gloo's workers still helps
+        return
+    remember_timeout(timeout)
+    os.environ["MASTER_ADDR"] = cluster.main_address
+    os.environ["MASTER_PORT"] = str(cluster.main_port)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if device.type == "cuda":
+        # Binding the group to the device lets NCCL connect eagerly and avoids a device guess per collective.
+        kwargs["device_id"] = device
+    store = _restart_store(cluster, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
+    register_exit_handler(created=dist.group.WORLD)
+
+
+def _restart_store(cluster: ClusterInfo, timeout: Optional[timedelta]) -> Optional[dist.Store]:
+    """Under ``torchrun --max-restarts``, a store of this attempt's own, or None to let torch make the usual one.
+
+    torchrun's agent hosts the store and keeps it across restarts, so a restarted group would find the first
+    attempt's keys there: gloo then connects to the addresses of the dead workers and fails ("connectFullMesh failed
+    ... Connection refused"). A prefix per restart gives every attempt fresh keys in the same store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    agent_store = dist.TCPStore(cluster.main_address, cluster.main_port, cluster.world_size(), is_master=False,
+                                **kwargs)
+    return dist.PrefixStore(f"lightning_fsdp/attempt-{attempt}", agent_store)
+
+
+def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_nodes: int) -> DeviceMesh:
+    """The mesh for ``config`` on ``world_size`` ranks. Raises ``ValueError`` when the user's mesh does not fit."""
+    strategy = config.sharding_strategy
+    if isinstance(config.device_mesh, DeviceMesh):
+        if config.device_mesh.size() != world_size:
+            raise ValueError(_mismatch(config.device_mesh, tuple(config.device_mesh.shape), world_size, num_nodes))
+        return config.device_mesh
+    if strategy.is_hybrid:
+        shape = config.device_mesh or (num_nodes, world_size // num_nodes)
+        if shape[0] * shape[1] != world_size:
+            raise ValueError(_mismatch(config.device_mesh or shape, shape, world_size, num_nodes))
+        return init_device_mesh(device.type, shape, mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS))
+    if strategy is ShardingStrategy.NO_SHARD:
+        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=(SHARD_AXIS,))
+
+
+def _mismatch(value: Union[tuple, DeviceMesh], shape: tuple, world_size: int, num_nodes: int) -> str:
+    sizes = " x ".join(str(s) for s in shape)
+    return bad_argument(
+        "device_mesh", value, f"a (replicate, shard) shape whose sizes multiply to the world size, {world_size}",
+        f"Use e.g. `device_mesh=({num_nodes}, {max(world_size // max(num_nodes, 1), 1)})` for {num_nodes} node(s),"
+        " or change `devices`/`num_nodes` to match the mesh.",
+        problem=f"The mesh has {sizes} = {_product(shape)} ranks, but {world_size} processes are running",
+    )
+
+
+def _product(shape: tuple) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
