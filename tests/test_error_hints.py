@@ -56,7 +56,7 @@ class _Module:
             for _ in range(node.level - 1):
                 base = base.parent
         elif (node.module or "").startswith("lightning_fsdp"):
-            base, node = PACKAGE.parent, node
+            base = PACKAGE.parent
         else:
             return None
         parts = (node.module or "").split(".") if node.module else []
