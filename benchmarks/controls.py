@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -48,6 +47,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "examples"))
 
+from peak_memory import reset_peak, status_kib  # noqa: E402
 from rows import alternate, emit, figure, ratios  # noqa: E402
 
 MODEL = dict(vocab_size=4096, n_layer=8, n_head=6, n_embd=384)  # block_size is the suite's sequence length
@@ -107,21 +107,11 @@ class PeakMeter:
         self.libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 
     def __enter__(self) -> "PeakMeter":
-        gc.collect()
-        self.libc.malloc_trim(0)  # freed heap pages back to the kernel, so they are not reused unseen
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
-        self.baseline = _status_kib("VmRSS")
+        self.baseline = reset_peak()  # freed heap back to the kernel, then VmHWM := current RSS
         return self
 
     def __exit__(self, *exc) -> None:
-        self.extra_bytes = (_status_kib("VmHWM") - self.baseline) * 1024
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+        self.extra_bytes = (status_kib("VmHWM") - self.baseline) * 1024
 
 
 def worker(suite: str, phase: str, rounds: int, steps: int, out: Path) -> None:

@@ -20,10 +20,7 @@ tensor bytes (``benchmarks/rows.py``). Memory is never asserted here; ``tests/te
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import reset_peak, status_kib  # noqa: E402
 from rows import alternate, emit, figure  # noqa: E402
 
 WIDTH = 1024
@@ -52,26 +50,18 @@ def generate(out: Path, layers: int) -> None:
     (out / "full.pt").unlink()
 
 
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
-
-
 def measure(out: Path, rounds: int) -> dict:
     import safetensors.torch  # noqa: F401 - imported before measuring: an import is not conversion memory
 
     from lightning_fsdp.checkpoint.convert import convert
 
-    libc = ctypes.CDLL(None)
     counter = iter(range(10**6))
 
     def extra(target: str, to: str) -> float:
         destination = out / f"{next(counter)}-{target}"
-        gc.collect()
-        libc.malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-        baseline = _kib("VmRSS")
+        baseline = reset_peak()
         convert(out / "sharded", destination, to=to)
-        peak = (_kib("VmHWM") - baseline) * 1024
+        peak = (status_kib("VmHWM") - baseline) * 1024
         destination.unlink()
         return peak
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_rss import hwm_kb, reset_peak  # noqa: E402
+from peak_memory import reset_peak, status_kib  # noqa: E402
 
 
 def _model(args: argparse.Namespace, seed: int) -> nn.Module:
@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> None:
             fabric.load_raw(args.path, model)
         else:
             model.load_state_dict(full, assign=route == "assign")
-        peak = hwm_kb()
+        peak = status_kib("VmHWM")
         extra = (peak - start) * 1024
         rows.append({
             "rank": fabric.global_rank, "route": route, "peak_extra_MB": round(extra / 1e6, 1),

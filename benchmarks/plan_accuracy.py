@@ -11,7 +11,6 @@ step above the RSS the process had before the model was built. Prints predicted 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import socket
@@ -25,8 +24,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE))
 
 import train_gpt  # noqa: E402 - the example GPT of the README
+from peak_memory import reset_peak, status_kib  # noqa: E402
 
 GPT_CONFIG = dict(vocab_size=256, block_size=256, n_layer=6, n_head=8, n_embd=256)
 BATCH, SEQ = 8, 256
@@ -100,8 +101,7 @@ def measure_on_this_rank(name: str) -> dict[str, int]:
     precision = options.pop("precision", "32-true")
     fabric = Fabric(accelerator="cpu", devices=world, precision=precision, strategy=FSDPStrategy(**options))
     fabric.launch()
-    _trim()
-    rss_base = _vm("VmRSS")  # the process before the model exists: interpreter, torch, the process group
+    rss_base = reset_peak() * 1024  # the process before the model exists: interpreter, torch, the process group
     torch.manual_seed(0)
     model = model_fn()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
@@ -118,27 +118,12 @@ def measure_on_this_rank(name: str) -> dict[str, int]:
     step()
     tracker = FSDPMemTracker(model.module, optimizer.optimizer)
     tracker.track_inputs((args, kwargs))
-    _trim()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from what is resident now
+    reset_peak()  # VmHWM restarts from what is resident now
     with tracker:
         step()
     peak = tracker.get_tracker_snapshot("peak")
     tracked = sum(table["Total"] for table in peak.values())
-    return {"tracker_peak": tracked, "rss_growth": _vm("VmHWM") - rss_base}
-
-
-def _trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the RSS view is then rougher
-        pass
-
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    return {"tracker_peak": tracked, "rss_growth": status_kib("VmHWM") * 1024 - rss_base}
 
 
 def measure(name: str) -> dict[str, int]:

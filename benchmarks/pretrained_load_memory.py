@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_rss import hwm_kb, reset_peak  # noqa: E402
+from peak_memory import reset_peak, status_kib  # noqa: E402
 
 
 def _config(args: argparse.Namespace):
@@ -94,13 +94,13 @@ def worker(args: argparse.Namespace) -> None:
         warnings.simplefilter("ignore")  # RMSNorm has no reset_parameters: the load fills it
         model = fabric.setup_module(model)
     shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if isinstance(p, DTensor))
-    after_setup = hwm_kb()
+    after_setup = status_kib("VmHWM")
     fabric.barrier()
     before_load = reset_peak()
     began = time.perf_counter()
     fabric.load_raw(args.path, model)
     seconds = time.perf_counter() - began
-    load_peak = hwm_kb()
+    load_peak = status_kib("VmHWM")
     total_peak = max(after_setup, load_peak)
     mb = 1e6
     row = {

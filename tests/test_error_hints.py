@@ -20,9 +20,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightning_fsdp"
 
 # (file, function, exception) -> why the message raised there needs no hint of its own.
 RELAYS = {
-    ("checkpoint/agreement.py", "together", "OSError"): "re-raises the error another rank reported, with its message",
-    ("checkpoint/agreement.py", "together", "kind"): "re-raises the error another rank reported, with its message",
-    ("checkpoint/agreement.py", "together", "CheckpointError"): "the same, for a type that is not a built-in one",
+    ("checkpoint/integrity/agreement.py", "together", "OSError"): "re-raises the error another rank reported, with its message",
+    ("checkpoint/integrity/agreement.py", "together", "kind"): "re-raises the error another rank reported, with its message",
+    ("checkpoint/integrity/agreement.py", "together", "CheckpointError"): "the same, for a type that is not a built-in one",
     ("planner/command.py", "_run", "UsageError"): "names the option before the PlanningError, whose message has a hint",
     ("planner/command.py", "_load_file", "FileNotFoundError"): "the caller wraps it in `_import_failed`'s message",
     ("cli.py", "error", "UsageError"): "raised as is only when argparse's message already holds a HINT",

@@ -1,4 +1,4 @@
-"""The checks a safetensors checkpoint must pass before a load (``checkpoint/hf_checks.py``), in one process: chunk
+"""The checks a safetensors checkpoint must pass before a load (``checkpoint/formats/hf_checks.py``), in one process: chunk
 geometry on odd shapes (3-D, scalars, empty dims), sharding info, and which index entries count as inside the
 directory, including the Hugging Face hub cache's symlinks. The two-rank loads are in ``test_hf_safety.py``."""
 

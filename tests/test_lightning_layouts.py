@@ -1,4 +1,4 @@
-"""Unit tests for the pure key mapping onto Lightning's checkpoint layouts (``checkpoint/lightning_layouts.py``)."""
+"""Unit tests for the pure key mapping onto Lightning's checkpoint layouts (``checkpoint/formats/lightning_layouts.py``)."""
 
 import pytest
 import torch

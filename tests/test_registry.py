@@ -57,7 +57,7 @@ def test_the_connector_patch_is_in_place_and_wraps_lightnings_own_check():
         assert getattr(check, "_lightning_fsdp_wrapper", False), f"{connector.__name__} is not patched"
         original = inspect.getsource(check.__wrapped__)
         assert "self._strategy_flag" in original and "FSDP" in original, (
-            f"Lightning's {connector.__name__}._check_strategy_and_fallback changed; review registry.py"
+            f"Lightning's {connector.__name__}._check_strategy_and_fallback changed; review _fronts/registry.py"
         )
 
 

@@ -12,7 +12,7 @@ import torch
 
 from common import full, full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
 from harness import case, run_cases
-from lightning_fsdp._fronts import fabric_load
+from lightning_fsdp import fabric_load
 from models import TinyTransformer, UnevenModel, make_batch
 
 WORLD = 2

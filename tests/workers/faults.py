@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from common import full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
+from lightning_fsdp.checkpoint import CheckpointError
 from harness import TIMEOUT, case, run_cases
 from models import TinyTransformer, make_batch
 
@@ -206,7 +207,7 @@ def shape_mismatch_names_the_tensor_in_both_formats():
 @case
 def an_unreadable_full_file_raises_everywhere():
     """A full checkpoint file that `torch.load` cannot open (a zip archive whose pickle is cut short) is one error on
-    every rank, with the troubleshooting guide's words and a hint."""
+    every rank, the `CheckpointError` that names a damaged file (the troubleshooting guide's words) with a hint."""
     fabric = make_fabric(WORLD, state_dict_type="full")
     root = shared_tmpdir(fabric)
     model, opt = _setup_model(fabric, TinyTransformer)
@@ -221,8 +222,9 @@ def an_unreadable_full_file_raises_everywhere():
     fabric.barrier()
     fresh, fresh_opt = _setup_model(fabric, TinyTransformer, seed=3)
     report = _fails_everywhere(
-        lambda: fabric.load(root / "bad.pt", {"model": fresh, "optimizer": fresh_opt}), RuntimeError,
-        "Could not read the checkpoint file", str(root / "bad.pt"), "HINT:",
+        lambda: fabric.load(root / "bad.pt", {"model": fresh, "optimizer": fresh_opt}), CheckpointError,
+        "could not be read: it is damaged, truncated or not the file a checkpoint save writes", str(root / "bad.pt"),
+        "HINT:",
     )
     _loads_exactly(fabric, root / "good.pt", params, opt_state)
     return report

@@ -518,18 +518,23 @@ def torch_compiled_child():
     return check_trainer(lit, "trainer")
 
 
-@case
-def fabric_layouts_free_every_unit_after_forward():
-    out = {}
-    for label, build, policy, batch_fn in (
+def both_fronts_layouts() -> list[tuple]:
+    """(label, model factory, policy, batch factory) of the models both fronts take as they are."""
+    return [
         ("sequential", sequential, {nn.Linear}, features),
         ("network", Network, {MLPBlock}, features),
         ("gpt, every parameter in a unit", GPT, {GPTBlock, nn.Embedding, nn.Linear, nn.LayerNorm}, tokens),
         ("gpt, blocks", GPT, {GPTBlock}, tokens),
         ("hf llama", hf_llama, {hf_block()}, tokens),
         ("litgpt", litgpt_gpt, {litgpt_block()}, tokens),
-        ("compiled network", lambda: torch.compile(Network(), backend="eager"), {MLPBlock}, features),
-    ):
+    ]
+
+
+@case
+def fabric_layouts_free_every_unit_after_forward():
+    out = {}
+    compiled = ("compiled network", lambda: torch.compile(Network(), backend="eager"), {MLPBlock}, features)
+    for label, build, policy, batch_fn in [*both_fronts_layouts(), compiled]:
         out[label], _ = fabric_step(build, policy, batch_fn=batch_fn)
     return out
 
@@ -537,14 +542,7 @@ def fabric_layouts_free_every_unit_after_forward():
 @case
 def trainer_peak_of_one_step_equals_fabric_within_2_percent():
     out = {}
-    for label, build, policy, batch_fn in (
-        ("sequential", sequential, {nn.Linear}, features),
-        ("network", Network, {MLPBlock}, features),
-        ("gpt, every parameter in a unit", GPT, {GPTBlock, nn.Embedding, nn.Linear, nn.LayerNorm}, tokens),
-        ("gpt, blocks", GPT, {GPTBlock}, tokens),
-        ("hf llama", hf_llama, {hf_block()}, tokens),
-        ("litgpt", litgpt_gpt, {litgpt_block()}, tokens),
-    ):
+    for label, build, policy, batch_fn in both_fronts_layouts():
         # The lowest of three runs on each rank, then over both ranks (which hold equal shards here): gloo's worker
         # thread drops its reference to a collective's buffer a moment after the call returns, so on some runs a
         # buffer of up to one unit's size is still counted when the next peak is reached. The floor is exact.

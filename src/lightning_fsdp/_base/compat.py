@@ -112,7 +112,7 @@ def weights_only_hint() -> str:
     """The call that opts a Fabric load into full unpickling, on the installed Lightning."""
     if FABRIC_LOAD_TAKES_WEIGHTS_ONLY:
         return "`fabric.load(path, state, weights_only=False)`"
-    return ("`lightning_fsdp._fronts.fabric_load(fabric, path, state, weights_only=False)` (the `fabric.load` of Lightning"
+    return ("`lightning_fsdp.fabric_load(fabric, path, state, weights_only=False)` (the `fabric.load` of Lightning"
             f" {lightning_version()} has no `weights_only`; Lightning 2.6's has)")
 
 

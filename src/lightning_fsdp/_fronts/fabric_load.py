@@ -26,7 +26,7 @@ def fabric_load(
 
     Example (a checkpoint you trust that holds objects beyond tensors)::
 
-        from lightning_fsdp._fronts import fabric_load
+        from lightning_fsdp import fabric_load
         fabric_load(fabric, "ckpt", {"model": model, "optimizer": optimizer}, weights_only=False)
     """
     if FABRIC_LOAD_TAKES_WEIGHTS_ONLY or weights_only is None:

@@ -37,7 +37,7 @@ from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     read_entry,
     remap_requested_keys,
 )
-from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
 from lightning_fsdp.checkpoint.integrity.digests import note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
@@ -394,7 +394,4 @@ def _torch_load(path: Path, weights_only: bool) -> Any:
                 " code. HINT: if you trust this file, pass `weights_only=False`, e.g."
                 f" {weights_only_hint()}."
             ) from err
-        raise CheckpointError(
-            f"Could not read the checkpoint file {str(path)!r}: {str(err) or type(err).__name__}. HINT: the file is"
-            " damaged or not a checkpoint; `lightning-fsdp inspect PATH` says what it is, or load an earlier one."
-        ) from err
+        raise unreadable(path, err) from err
