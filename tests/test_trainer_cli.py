@@ -44,6 +44,8 @@ EXPECTED = {
     "fsdp_cpu_offload_bf16.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="full", mesh=None, offload=True, precision="bf16-mixed", checkpointing=True),
     "hsdp_cpu.yaml": dict(sharding=ShardingStrategy.HYBRID_SHARD, state="full", mesh=(2, 2), offload=False, precision="32-true", checkpointing=False, no_sync="reduce_scatter_only", accumulate=2),
     "fsdp_gpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="bf16-mixed", checkpointing=True, async_save=True),
+    "fsdp_tp_cpu.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="32-true", checkpointing=False,
+                             tensor_parallel=(2, {"blocks.*.linear1": "colwise", "blocks.*.linear2": "rowwise"})),
     "fsdp_cpu_controls.yaml": dict(sharding=ShardingStrategy.FULL_SHARD, state="sharded", mesh=None, offload=False, precision="32-true", checkpointing=True,
                                    prefetch=(1, 2), reshard=(("root", True), ("model.blocks.3", False)), every=2,
                                    save_ops=(torch.ops.aten.mm, torch.ops.aten.native_layer_norm)),
@@ -84,6 +86,7 @@ def test_config_builds_the_strategy_it_describes(name):
         assert getattr(policy, "every", 1) == expected.get("every", 1)
         assert all(op in (getattr(policy, "save_ops", None) or ()) for op in expected.get("save_ops", ()))
     assert config.async_save is expected.get("async_save", False)
+    assert (config.tensor_parallel.size, config.tensor_parallel.plan) == expected.get("tensor_parallel", (1, None))
     assert cli.trainer.accumulate_grad_batches == expected.get("accumulate", 1)
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -78,6 +79,16 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             of blocks called in a loop); see :mod:`lightning_fsdp.engine.prefetch`.
         backward_prefetch: how many units ahead, in backward order, each unit starts the all-gather. ``1`` (default)
             is FSDP2's own behaviour, and FSDP1's ``BackwardPrefetch.BACKWARD_PRE``; FSDP2 cannot go lower.
+        tensor_parallel_size: split the layers that ``tensor_parallel_plan`` names over groups of this many ranks
+            (tensor parallelism inside FSDP): the mesh becomes ``(shard, tp)`` (``(replicate, shard, tp)`` for the
+            hybrid strategies), FSDP shards over the data-parallel axes, and the ranks of one group must see the same
+            batch (``fabric.setup_dataloaders`` does this; see the tensor-parallel guide). ``1`` (default): none.
+        tensor_parallel_plan: what to split: a dict from module-name patterns to styles in Hugging Face's
+            ``tp_plan`` format (``{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj":
+            "rowwise"}``; styles ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``,
+            ``"sequence_parallel"`` and the other names of :data:`lightning_fsdp.engine.tensor_parallel.STYLES`, or
+            torch ``ParallelStyle`` objects), ``"auto"`` (a Hugging Face model's own plan), or a callable
+            ``(module, tp_mesh) -> None``. Checked against the model at setup, before any weight moves.
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips
             every gradient collective; ``"reduce_scatter_only"`` still reduce-scatters inside each shard group, which
             keeps gradients sharded, and skips only the all-reduce across replicas.
@@ -121,6 +132,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
         forward_prefetch: Union[int, bool] = 0,
         backward_prefetch: Union[int, str, Enum] = 1,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))

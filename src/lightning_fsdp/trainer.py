@@ -150,6 +150,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         param_init_fn: Optional[Union[str, Callable[[Module], None]]] = None,
         forward_prefetch: Union[int, bool] = 0,
         backward_prefetch: Union[int, str] = 1,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:

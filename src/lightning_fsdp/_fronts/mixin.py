@@ -58,8 +58,10 @@ class FrontMixin:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank, the replicas of a hybrid mesh included.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # Every rank is a data-parallel rank, the replicas of a hybrid mesh included; under tensor parallelism the
+        # ranks of one group are one data-parallel rank, and must see the same batch.
+        tp = self._engine.config.tensor_parallel.size
+        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
 
     @property
     def checkpoint_io(self) -> Any:

@@ -23,6 +23,7 @@ from lightning_fsdp.engine.activation_checkpointing import parse_checkpointing_p
 from lightning_fsdp.engine.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.engine.policy import Policy, PolicyInput, parse_policy
 from lightning_fsdp.engine.prefetch import parse_backward_prefetch, parse_forward_prefetch
+from lightning_fsdp.engine.tensor_parallel import PlanInput, TensorParallel, parse_tensor_parallel
 from lightning_fsdp.engine.resharding import ReshardPlan, parse_reshard_after_forward
 
 __all__ = [
@@ -97,6 +98,7 @@ class FSDPConfig:
     param_init_fn: ParamInitFn = None
     forward_prefetch: int = 0  # units ahead; 0: FSDP2's default (see `prefetch.py`)
     backward_prefetch: int = 1  # units ahead; 1: FSDP2's default
+    tensor_parallel: TensorParallel = TensorParallel(1, None)  # see `tensor_parallel.py`
 
     @property
     def cpu_offload(self) -> bool:
@@ -122,8 +124,18 @@ class FSDPConfig:
         param_init_fn: Any = None,
         forward_prefetch: Union[int, bool, None] = 0,
         backward_prefetch: Any = 1,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: PlanInput = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
+        tensor_parallel = parse_tensor_parallel(tensor_parallel_size, tensor_parallel_plan)
+        if tensor_parallel.enabled and isinstance(device_mesh, DeviceMesh):
+            raise ValueError(bad_argument(
+                "device_mesh", device_mesh, "a (replicate, shard) shape when tensor_parallel_size is set",
+                "Pass the data-parallel shape, e.g. `device_mesh=(2, 2)`, and `tensor_parallel_size`: the strategy"
+                " builds the (replicate, shard, tp) mesh itself.",
+                problem="A DeviceMesh object cannot be combined with tensor_parallel_size",
+            ))
         return cls(
             sharding_strategy=strategy,
             reshard_after_forward=parse_reshard_after_forward(reshard_after_forward),
@@ -142,6 +154,7 @@ class FSDPConfig:
             param_init_fn=_parse_param_init_fn(param_init_fn),
             forward_prefetch=parse_forward_prefetch(forward_prefetch),
             backward_prefetch=parse_backward_prefetch(backward_prefetch),
+            tensor_parallel=tensor_parallel,
         )
 
 

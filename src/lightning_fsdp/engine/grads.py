@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "total_grad_norm"]
 
@@ -44,7 +44,9 @@ def total_grad_norm(grads: Iterable[Tensor], norm_type: float) -> Tensor:
         elif local.numel():
             part = torch.linalg.vector_norm(local.float(), norm_type).pow(norm_type).reshape(1).to(device)
         if isinstance(grad, DTensor):
-            axes = [i for i, p in enumerate(grad.placements) if isinstance(p, Shard)]
+            # Every axis the gradient is split along: `Shard`, and the `_StridedShard` that FSDP puts over a tensor-
+            # parallel shard (not a `Shard` subclass). Only `Replicate` axes hold copies, reduced never.
+            axes = [i for i, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
             key = (id(grad.device_mesh), tuple(axes))
             if key not in partials:
                 partials[key] = (torch.zeros(size, dtype=torch.float32, device=device), [grad.device_mesh, axes])

@@ -1,10 +1,14 @@
 """Process groups and the DeviceMesh that ``fully_shard`` runs on.
 
-The mesh always has one of two shapes:
+The data-parallel part of the mesh always has one of two shapes:
 
 - 1-D ``("shard",)`` for FULL_SHARD and SHARD_GRAD_OP;
 - 2-D ``("replicate", "shard")`` for the hybrid strategies, and ``(world, 1)`` for NO_SHARD, which FSDP2 then
   treats as plain replication: every rank holds whole parameters and gradients are all-reduced.
+
+With ``tensor_parallel_size=K`` a last axis ``("tp",)`` of size K follows (see :mod:`.tensor_parallel`): the ranks of
+one tensor-parallel group are consecutive, and :func:`data_parallel_mesh` / :func:`tensor_parallel_mesh` give the two
+parts. A rank's data-parallel rank is ``global_rank // K``: the K ranks of a group see the same batch.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.failures import remember_timeout
 from lightning_fsdp._base.process_exit import register_exit_handler
 from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.engine.tensor_parallel import TP_AXIS
 
-__all__ = ["ClusterInfo", "default_backend", "init_process_group", "build_mesh", "SHARD_AXIS", "REPLICATE_AXIS"]
+__all__ = [
+    "ClusterInfo", "default_backend", "init_process_group", "build_mesh", "data_parallel_mesh", "tensor_parallel_mesh",
+    "data_parallel_rank_and_size", "SHARD_AXIS", "REPLICATE_AXIS",
+]
 
 SHARD_AXIS = "shard"
 REPLICATE_AXIS = "replicate"
@@ -91,23 +99,60 @@ def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_no
         if config.device_mesh.size() != world_size:
             raise ValueError(_mismatch(config.device_mesh, tuple(config.device_mesh.shape), world_size, num_nodes))
         return config.device_mesh
+    tp = config.tensor_parallel.size
+    if world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(bad_argument(
+            "tensor_parallel_size", tp, f"a divisor of the world size {world_size}: {divisors}",
+            f"Use e.g. `tensor_parallel_size={divisors[-2] if len(divisors) > 1 else 1}`, or change `devices`.",
+            problem=f"{world_size} processes cannot form groups of {tp}",
+        ))
+    data_parallel = world_size // tp
+    tp_axis = ((tp,), (TP_AXIS,)) if tp > 1 else ((), ())
     if strategy.is_hybrid:
-        shape = config.device_mesh or (num_nodes, world_size // num_nodes)
-        if shape[0] * shape[1] != world_size:
-            raise ValueError(_mismatch(config.device_mesh or shape, shape, world_size, num_nodes))
-        return init_device_mesh(device.type, shape, mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS))
+        shape = config.device_mesh or (num_nodes, data_parallel // num_nodes)
+        if shape[0] * shape[1] != data_parallel:
+            raise ValueError(_mismatch(config.device_mesh or shape, shape, data_parallel, num_nodes, tp))
+        return init_device_mesh(device.type, (*shape, *tp_axis[0]), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
     if strategy is ShardingStrategy.NO_SHARD:
-        return init_device_mesh(device.type, (world_size, 1), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS))
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=(SHARD_AXIS,))
+        return init_device_mesh(device.type, (data_parallel, 1, *tp_axis[0]),
+                                mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
+    return init_device_mesh(device.type, (data_parallel, *tp_axis[0]), mesh_dim_names=(SHARD_AXIS, *tp_axis[1]))
 
 
-def _mismatch(value: Union[tuple, DeviceMesh], shape: tuple, world_size: int, num_nodes: int) -> str:
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The axes ``fully_shard`` runs on: the whole mesh, or all but ``"tp"``."""
+    names = mesh.mesh_dim_names or ()
+    if TP_AXIS not in names:
+        return mesh
+    kept = tuple(n for n in names if n != TP_AXIS)
+    return mesh[kept[0]] if len(kept) == 1 else mesh[kept]
+
+
+def tensor_parallel_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
+    """The ``"tp"`` axis, or None without tensor parallelism."""
+    return mesh[TP_AXIS] if TP_AXIS in (mesh.mesh_dim_names or ()) else None
+
+
+def data_parallel_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's data-parallel rank and the number of data-parallel ranks: what a sampler must shard the data by,
+    so the ranks of one tensor-parallel group see the same batch."""
+    tp = tensor_parallel_mesh(mesh)
+    size = mesh.size() // (tp.size() if tp is not None else 1)
+    rank = dist.get_rank() // (tp.size() if tp is not None else 1) if dist.is_initialized() else 0
+    return rank, size
+
+
+def _mismatch(value: Union[tuple, DeviceMesh], shape: tuple, world_size: int, num_nodes: int, tp: int = 1) -> str:
     sizes = " x ".join(str(s) for s in shape)
+    target = (f"the world size, {world_size}" if tp == 1
+              else f"the world size divided by tensor_parallel_size={tp}, {world_size}")
     return bad_argument(
-        "device_mesh", value, f"a (replicate, shard) shape whose sizes multiply to the world size, {world_size}",
+        "device_mesh", value, f"a (replicate, shard) shape whose sizes multiply to {target}",
         f"Use e.g. `device_mesh=({num_nodes}, {max(world_size // max(num_nodes, 1), 1)})` for {num_nodes} node(s),"
         " or change `devices`/`num_nodes` to match the mesh.",
-        problem=f"The mesh has {sizes} = {_product(shape)} ranks, but {world_size} processes are running",
+        problem=f"The mesh has {sizes} = {_product(shape)} ranks, but {world_size}"
+        + (" processes are running" if tp == 1 else " data-parallel ranks are running"),
     )
 
 

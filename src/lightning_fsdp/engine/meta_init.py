@@ -343,7 +343,13 @@ def _per_shard_random_init(mesh: DeviceMesh, device: torch.device) -> Iterator[N
     if dist.is_initialized():
         dist.broadcast(base, src=0)  # ranks seeded differently must still agree on their replicas
     base = int(base.item())
-    shard_coordinate = mesh.get_local_rank(mesh.ndim - 1)
+    # The coordinate over every axis that splits tensors ("shard", and "tp" under tensor parallelism), so each
+    # piece of a parameter gets its own stream; the "replicate" axis is left out, so replicas stay identical.
+    # (Parameters that tensor parallelism replicates are made equal across "tp" afterwards, by the caller.)
+    shard_coordinate = 0
+    for axis, name in enumerate(mesh.mesh_dim_names or ()):
+        if name != "replicate":
+            shard_coordinate = shard_coordinate * mesh.size(axis) + mesh.get_local_rank(axis)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(base + shard_coordinate)
         with warnings.catch_warnings():

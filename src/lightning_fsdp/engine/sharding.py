@@ -3,12 +3,15 @@ remapping of optimizers onto the sharded parameters.
 
 The order matters and is fixed in :func:`shard_model`:
 
-1. activation checkpointing wraps the chosen blocks (so recomputation happens inside one FSDP unit; see
+1. tensor parallelism splits the planned modules over the ``"tp"`` axis, when the mesh has one (see
+   :mod:`~lightning_fsdp.engine.tensor_parallel`), while module names are still the plan's;
+2. activation checkpointing wraps the chosen blocks (so recomputation happens inside one FSDP unit; see
    :mod:`~lightning_fsdp.engine.activation_checkpointing`);
-2. ``fully_shard`` runs bottom-up on the policy's units, then on the root, each with its ``reshard_after_forward``
-   (see :mod:`~lightning_fsdp.engine.resharding`);
-3. prefetching between the units is registered (see :mod:`~lightning_fsdp.engine.prefetch`);
-4. meta-device parameters are materialized, now as local shards only, and initialized (see :mod:`~lightning_fsdp.engine.meta_init`);
+3. ``fully_shard`` runs bottom-up on the policy's units, then on the root, each with its ``reshard_after_forward``
+   (see :mod:`~lightning_fsdp.engine.resharding`), over the data-parallel axes; prefetching between the units is
+   registered (see :mod:`~lightning_fsdp.engine.prefetch`);
+4. meta-device parameters are materialized, now as local shards only, and initialized (see
+   :mod:`~lightning_fsdp.engine.meta_init`);
 5. optimizers are pointed at the final parameter objects.
 """
 
@@ -35,7 +38,9 @@ from lightning_fsdp.engine.config import FSDPConfig
 from lightning_fsdp.engine.meta_init import has_meta_tensors, materialize
 from lightning_fsdp.engine.policy import Policy, candidate_block_classes, describe_units
 from lightning_fsdp.engine.prefetch import apply_prefetch
+from lightning_fsdp.engine.mesh import data_parallel_mesh, tensor_parallel_mesh
 from lightning_fsdp.engine.resharding import ReshardChoice, ReshardPlan, check_divides
+from lightning_fsdp.engine.tensor_parallel import apply_tensor_parallel, resolve_plan, same_across_tensor_parallel
 
 __all__ = [
     "ShardedModel",
@@ -118,6 +123,14 @@ def shard_model(
     else:
         # Choose the units before checkpoint wrappers change the module tree the policy looks at.
         blocks = _select_units(module, config.auto_wrap_policy)
+    tp_mesh = tensor_parallel_mesh(mesh)
+    if tp_mesh is not None:
+        # Before the checkpoint wrappers, which change the module names the plan speaks of, and before
+        # `fully_shard`, which shards the tensor-parallel DTensors over the data-parallel axes.
+        names = {id(m): n for n, m in module.named_modules()}
+        models = tuple(names[id(r)] for r in harness_roots(module, extra_units=blocks)) if harness else ()
+        apply_tensor_parallel(module, resolve_plan(module, config.tensor_parallel, models), tp_mesh)
+    full_mesh, mesh = mesh, data_parallel_mesh(mesh)
     if config.activation_checkpointing_policy is not None:
         apply_activation_checkpointing(module, config.activation_checkpointing_policy)
 
@@ -145,7 +158,9 @@ def shard_model(
     if has_meta_tensors(module):
         # Parameters: the per-shard seeding in `materialize` gives shards their own values and keeps replicas
         # identical. Buffers are not sharded, and `reset_parameters()` may fill them from each rank's generator.
-        materialize(module, mesh, device, params_on_cpu=config.cpu_offload, param_init_fn=config.param_init_fn)
+        materialize(module, full_mesh, device, params_on_cpu=config.cpu_offload, param_init_fn=config.param_init_fn)
+        if tp_mesh is not None:
+            same_across_tensor_parallel(module, tp_mesh, device)
         if config.sync_module_states:
             broadcast_module_state(module, device, buffers_only=True)
     return ShardedModel(module=module, summary=summary, roots=roots)
@@ -356,7 +371,7 @@ def _reshard_choices(
         # calls it directly must reshard as the unit it is, or FULL_SHARD would keep it gathered through forward.
         if choices[id(unit)] is None and any(unit is r for r in roots):
             choices[id(unit)] = True
-    shard_size = mesh.size(mesh.ndim - 1)  # the shard axis is the last one in every mesh this package builds
+    shard_size = mesh.size(mesh.ndim - 1)  # the shard axis is the last one of every data-parallel mesh
     shown = default.shown if isinstance(default, ReshardPlan) else default
     for name, unit in targets.items():
         check_divides(choices[id(unit)], shard_size, shown, where=f"unit {name or '(root)'!r}")

@@ -1,0 +1,439 @@
+"""Tensor parallelism inside FSDP on 4 CPU ranks, a (shard=2, tp=2) mesh: training matches one process, on both
+fronts, with an explicit plan and with a Hugging Face model's own plan; the ranks of one tensor-parallel group see
+the same batch; a bad plan is one clear error before any weight moves; clipping sees the norm over both axes;
+sharded checkpoints load across (dp, tp) layouts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset
+
+from common import full, make_fabric, shared_tmpdir
+from harness import TIMEOUT, assert_close, case, run_cases
+from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
+
+WORLD, TP = 4, 2
+DP = WORLD // TP
+VOCAB, DIM, HEADS, SEQ, BATCH = 64, 32, 4, 8, 2  # BATCH per data-parallel rank
+ATOL = 1e-5
+
+PLAN = {
+    "blocks.*.attn.q_proj": "colwise", "blocks.*.attn.k_proj": "colwise", "blocks.*.attn.v_proj": "colwise",
+    "blocks.*.attn.o_proj": "rowwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
+}
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.o_proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds its share of the heads.
+        q, k, v = (p(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(DIM), Attention(), nn.LayerNorm(DIM), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=False,
+    ))
+
+
+def llama_block() -> type:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def tokens(step: int, dp_rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+
+
+def global_tokens(step: int) -> torch.Tensor:
+    return torch.cat([tokens(step, r) for r in range(DP)])
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_of(model(batch[:, :-1])).reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+def reference(build: Callable[[], nn.Module], steps: int, max_norm: float = 0.0) -> tuple[nn.Module, list, list]:
+    torch.manual_seed(0)
+    model = build()
+    opt = adamw(model.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        loss = loss_of(model, global_tokens(step))
+        loss.backward()
+        if max_norm:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses, norms
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    # eps 1e-4, not 1e-8: the key bias's gradient is zero but for rounding (softmax ignores a constant added to every
+    # key), and Adam would turn that rounding noise, which no two summation orders share, into full-size steps.
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
+
+
+def dp_rank() -> int:
+    return dist.get_rank() // TP
+
+
+def compare(model: nn.Module, ref: nn.Module, label: str) -> dict:
+    got = {k: full(v).detach() for k, v in model.state_dict().items()}
+    expected = ref.state_dict()
+    assert sorted(got) == sorted(expected), f"{label}: keys differ {sorted(set(got) ^ set(expected))[:5]}"
+    diff = max(assert_close(got[k], expected[k], ATOL, f"{label} {k}") for k in expected)
+    return {"max_param_diff": diff}
+
+
+def two_d_params(model: nn.Module) -> int:
+    """How many parameters are DTensors over both the data-parallel and the tensor-parallel axis."""
+    return sum(1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))
+
+
+# --- Fabric -------------------------------------------------------------------------------------------------------
+
+
+def fabric_train(build, policy, plan, steps: int = 3, max_norm: float = 0.0, **kwargs) -> tuple:
+    fabric = make_fabric(WORLD, auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan, **kwargs)
+    torch.manual_seed(0)
+    module = build()
+    model, opt = fabric.setup(module, adamw(module.parameters()))
+    losses, norms = [], []
+    for step in range(steps):
+        loss = loss_of(model, tokens(step, dp_rank()))
+        fabric.backward(loss)
+        if max_norm:
+            norms.append(fabric.clip_gradients(model, opt, max_norm=max_norm).item())
+        opt.step()
+        opt.zero_grad()
+        # Every rank's loss is its data-parallel rank's mean: the mean over ranks is the global mean.
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    return fabric, model, opt, losses, norms
+
+
+@case
+def fabric_gpt_with_an_explicit_plan_matches_one_process():
+    _, model, _, losses, _ = fabric_train(GPT, {Block}, PLAN)
+    ref, ref_losses, _ = reference(GPT, 3)
+    # 6 planned Linear layers a block, weight and bias each, 2 blocks.
+    assert two_d_params(model) == 24, f"expected 24 planned parameters on the 2-D mesh, got {two_d_params(model)}"
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
+    return compare(model, ref, "fabric gpt")
+
+
+@case
+def fabric_hugging_face_llama_with_its_own_plan_matches_one_process():
+    _, model, _, losses, _ = fabric_train(llama, {llama_block()}, "auto")
+    ref, ref_losses, _ = reference(llama, 3)
+    assert two_d_params(model) > 0, "the auto plan split nothing"
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
+    return compare(model, ref, "fabric llama")
+
+
+@case
+def clipping_takes_the_norm_over_both_mesh_axes():
+    _, model, _, _, norms = fabric_train(GPT, {Block}, PLAN, max_norm=0.05)
+    ref, _, ref_norms = reference(GPT, 3, max_norm=0.05)
+    for got, expected in zip(norms, ref_norms):
+        assert abs(got - expected) <= 1e-5 * max(1.0, expected), (norms, ref_norms)
+    return {**compare(model, ref, "clipped"), "norms": norms}
+
+
+@case
+def a_bad_plan_is_one_clear_error_before_any_weight_moves():
+    out = {}
+    for plan, needle in (
+        ({"blocks.*.attn.q_prj": "colwise"}, "matches no module"),
+        ({"blocks.*.ln1": "colwise"}, "LayerNorm, which a ColwiseParallel cannot split"),
+        ({"head": "rowwise", "blocks.*.mlp.up": "colwise"}, None),  # fits: in_features 32 and out 128 divide by 2
+        ({"blocks.*.mlp.*": "colwise", "blocks.0.mlp.up": "rowwise"}, "matched by both"),
+    ):
+        fabric = make_fabric(WORLD, auto_wrap_policy={Block}, tensor_parallel_size=TP, tensor_parallel_plan=plan)
+        torch.manual_seed(0)
+        module = GPT()
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        try:
+            fabric.setup_module(module)
+        except ValueError as err:
+            assert needle and needle in str(err) and "HINT:" in str(err), f"{plan}: {err}"
+            untouched = all(not isinstance(p, DTensor) for p in module.parameters()) and all(
+                torch.equal(module.state_dict()[k], v) for k, v in before.items())
+            assert untouched, f"{plan}: the model changed before the error"
+            out[str(plan)] = str(err)[:80]
+        else:
+            assert needle is None, f"{plan}: no error, expected {needle!r}"
+    odd = make_fabric(WORLD, auto_wrap_policy={Block}, tensor_parallel_size=TP,
+                      tensor_parallel_plan={"blocks.*.mlp.up": "colwise"})
+    module = nn.Sequential()
+    module.add_module("blocks", nn.ModuleList([nn.Module()]))
+    module.blocks[0].add_module("mlp", nn.Module())
+    module.blocks[0].mlp.add_module("up", nn.Linear(4, 3))  # 3 outputs cannot split over 2 ranks
+    try:
+        odd.setup_module(module)
+    except ValueError as err:
+        assert "out_features=3" in str(err), err
+        out["odd shape"] = str(err)[:80]
+    else:
+        raise AssertionError("an out_features of 3 split over 2 ranks was accepted")
+    return out
+
+
+@case
+def a_tensor_parallel_size_that_does_not_divide_the_world_is_refused():
+    try:
+        make_fabric(WORLD, tensor_parallel_size=3, tensor_parallel_plan=PLAN).setup_module(GPT())
+    except ValueError as err:
+        assert "tensor_parallel_size=3" in str(err) and "[1, 2, 4]" in str(err), err
+        return str(err)[:120]
+    raise AssertionError("tensor_parallel_size=3 on 4 ranks was accepted")
+
+
+@case
+def sharded_checkpoints_load_across_dp_tp_layouts():
+    """Saved on (shard=2, tp=2), loaded exactly on (shard=4) and on (shard=2, tp=2) again; the full file holds plain
+    tensors equal to the gathered weights."""
+    fabric, model, opt, _, _ = fabric_train(GPT, {Block}, PLAN, steps=2)
+    root = shared_tmpdir(fabric)
+    saved = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+    fabric.save(root / "tp", {"model": model, "optimizer": opt})
+    full_fabric = make_fabric(WORLD, auto_wrap_policy={Block}, tensor_parallel_size=TP, tensor_parallel_plan=PLAN,
+                              state_dict_type="full")
+    full_fabric.save(root / "full.pt", {"model": model})
+    out = {}
+    for label, kwargs in (("4x1", {}), ("2x2", {"tensor_parallel_size": TP, "tensor_parallel_plan": PLAN})):
+        other = make_fabric(WORLD, auto_wrap_policy={Block}, **kwargs)
+        torch.manual_seed(1)
+        module = GPT()
+        fresh, fresh_opt = other.setup(module, adamw(module.parameters()))
+        other.load(root / "tp", {"model": fresh, "optimizer": fresh_opt})
+        got = {k: full(v).detach() for k, v in fresh.state_dict().items()}
+        out[label] = max(assert_close(got[k], saved[k], 0.0, f"{label} {k}") for k in saved)
+        assert fresh_opt.state, f"{label}: the optimizer state was not loaded"
+    if dist.get_rank() == 0:
+        plain = torch.load(root / "full.pt", weights_only=True)["model"]
+        assert all(not isinstance(v, DTensor) for v in plain.values())
+        out["full file"] = max(assert_close(plain[k], saved[k], 0.0, f"full {k}") for k in saved)
+    fabric.barrier()
+    return out
+
+
+@case
+def meta_device_init_splits_pieces_and_keeps_copies_equal():
+    """``init_module(empty_init=True)`` under TP: each piece of a split weight gets its own values, and what TP
+    replicates (norms, the unplanned embedding and head) is the same on both ranks of a group."""
+    fabric = make_fabric(WORLD, auto_wrap_policy={Block}, tensor_parallel_size=TP, tensor_parallel_plan=PLAN)
+    with fabric.init_module(empty_init=True):
+        module = GPT()
+    model = fabric.setup_module(module)
+    tp_group = model.module.blocks[0].mlp.up.weight.device_mesh["tp"].get_group()
+    pieces, copies = {}, {}
+    for name, param in model.module.named_parameters():
+        local = param.to_local().detach().clone()
+        assert torch.isfinite(local).all(), name
+        gathered = [torch.empty_like(local) for _ in range(TP)]
+        dist.all_gather(gathered, local, group=tp_group)
+        same = torch.equal(gathered[0], gathered[1])
+        split = "tp" in (param.device_mesh.mesh_dim_names or ()) and not isinstance(
+            param.placements[param.device_mesh.mesh_dim_names.index("tp")], torch.distributed.tensor.Replicate)
+        (pieces if split else copies)[name] = same
+    assert pieces and not any(pieces.values()), f"split weights with equal pieces on a tp group: {pieces}"
+    assert copies and all(copies.values()), f"replicated parameters that differ within a tp group: {copies}"
+    loss = loss_of(model, tokens(0, dp_rank()))
+    fabric.backward(loss)
+    assert torch.isfinite(loss)
+    return {"split": len(pieces), "replicated": len(copies)}
+
+
+@case
+def activation_checkpointing_and_accumulation_without_sync_match_one_process():
+    """fp32 with every block checkpointed, two micro-batches a step, the first under ``no_backward_sync``."""
+    fabric = make_fabric(WORLD, auto_wrap_policy={Block}, tensor_parallel_size=TP, tensor_parallel_plan=PLAN,
+                         activation_checkpointing_policy={Block})
+    torch.manual_seed(0)
+    module = GPT()
+    model, opt = fabric.setup(module, adamw(module.parameters()))
+    for step in range(2):
+        batch = tokens(step, dp_rank())
+        with fabric.no_backward_sync(model, enabled=True):
+            fabric.backward(loss_of(model, batch[:1]) / 2)
+        fabric.backward(loss_of(model, batch[1:]) / 2)
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    ref = GPT()
+    ref_opt = adamw(ref.parameters())
+    for step in range(2):
+        # The same micro-batches: each data-parallel rank's first row, then its second.
+        batches = [tokens(step, r) for r in range(DP)]
+        for row in (0, 1):
+            (loss_of(ref, torch.stack([b[row] for b in batches])) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return compare(model, ref, "checkpointed, accumulated")
+
+
+@case
+def bf16_mixed_precision_trains():
+    fabric = make_fabric(WORLD, precision="bf16-mixed", auto_wrap_policy={Block}, tensor_parallel_size=TP,
+                         tensor_parallel_plan=PLAN)
+    torch.manual_seed(0)
+    module = GPT()
+    model, opt = fabric.setup(module, adamw(module.parameters()))
+    batch = tokens(0, dp_rank())
+    losses = []
+    for _ in range(5):  # the same batch: the loss must fall
+        loss = loss_of(model, batch)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0], losses
+    return {"losses": losses}
+
+
+# --- Trainer ------------------------------------------------------------------------------------------------------
+
+
+class Tokens(Dataset):
+    """Sample ``i`` is row ``i % BATCH`` of data-parallel rank ``(i // BATCH) % DP``'s batch of step ``i // (BATCH*DP)``,
+    so the sampler's data-parallel shards, unshuffled, are exactly the Fabric side's batches."""
+
+    def __len__(self) -> int:
+        # Twice the 3 steps trained: a sampler that split the data over all 4 ranks would still fill 3 full steps,
+        # and fail the batch check rather than stop short.
+        return 6 * BATCH * DP
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        step, rest = divmod(i, BATCH * DP)
+        return tokens(step, rest % DP)[rest // DP]
+
+
+class Lit(L.LightningModule):
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.build, self.seen = build, []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            torch.manual_seed(0)
+            self.model = self.build()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch.clone())
+        return loss_of(self.model, batch)
+
+    def configure_optimizers(self) -> Any:
+        return adamw(self.parameters())
+
+
+def trainer_fit(build, policy, plan) -> Lit:
+    lit = Lit(build)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=TrainerFSDPStrategy(auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan,
+                                     timeout=TIMEOUT),
+    )
+    trainer.fit(lit, DataLoader(Tokens(), batch_size=BATCH))
+    return lit
+
+
+def check_peers_saw_the_same_batches(lit: Lit) -> list[torch.Tensor]:
+    """Every rank's batches; the two ranks of a tensor-parallel group must have seen the same ones, the two
+    data-parallel ranks different ones."""
+    mine = torch.stack(lit.seen)
+    gathered = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(gathered, mine)
+    for rank in range(WORLD):
+        peer = rank ^ 1  # the other rank of the same tensor-parallel group
+        assert torch.equal(gathered[rank], gathered[peer]), f"ranks {rank} and {peer} (one tp group) saw different batches"
+    assert not torch.equal(gathered[0], gathered[2]), "both data-parallel ranks saw the same batches"
+    return gathered
+
+
+def reference_on(build, gathered: list[torch.Tensor]) -> nn.Module:
+    """One process trained on each step's global batch: the data-parallel ranks' batches (ranks 0 and 2) in order."""
+    torch.manual_seed(0)
+    model = build()
+    opt = adamw(model.parameters())
+    for step in range(gathered[0].shape[0]):
+        loss_of(model, torch.cat([gathered[r][step] for r in range(0, WORLD, TP)])).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@case
+def trainer_gpt_with_an_explicit_plan_matches_one_process_and_tp_peers_share_batches():
+    lit = trainer_fit(GPT, {Block}, PLAN)
+    gathered = check_peers_saw_the_same_batches(lit)
+    assert two_d_params(lit.model) == 24
+    return compare(lit.model, reference_on(GPT, gathered), "trainer gpt")
+
+
+@case
+def trainer_hugging_face_llama_with_its_own_plan_matches_one_process():
+    lit = trainer_fit(llama, {llama_block()}, "auto")
+    gathered = check_peers_saw_the_same_batches(lit)
+    return compare(lit.model, reference_on(llama, gathered), "trainer llama")
+
+
+if __name__ == "__main__":
+    run_cases()
