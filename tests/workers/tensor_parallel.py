@@ -5,6 +5,9 @@ sharded checkpoints load across (dp, tp) layouts."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
@@ -270,6 +273,10 @@ def sharded_checkpoints_load_across_dp_tp_layouts():
         plain = torch.load(root / "full.pt", weights_only=True)["model"]
         assert all(not isinstance(v, DTensor) for v in plain.values())
         out["full file"] = max(assert_close(plain[k], saved[k], 0.0, f"full {k}") for k in saved)
+    if dist.get_rank() == 0:  # kept for the other layouts: (shard=1, tp=2) and one process, in later launches
+        keep = Path(os.environ["LFSDP_TEST_OUT"]) / "saved_2x2"
+        shutil.copytree(root / "tp", keep / "checkpoint")
+        torch.save(saved, keep / "weights.pt")
     fabric.barrier()
     return out
 
@@ -435,5 +442,27 @@ def trainer_hugging_face_llama_with_its_own_plan_matches_one_process():
     return compare(lit.model, reference_on(llama, gathered), "trainer llama")
 
 
+# --- (shard=1, tp=2): a 2-rank launch of this file with LFSDP_TP_LOAD set ---------------------------------------
+
+
+def loads_on_one_by_two():
+    """The (2, 2) checkpoint of ``sharded_checkpoints_load_across_dp_tp_layouts`` on 2 ranks as (shard=1, tp=2)."""
+    saved_dir = Path(os.environ["LFSDP_TP_LOAD"])
+    fabric = make_fabric(2, auto_wrap_policy={Block}, tensor_parallel_size=2, tensor_parallel_plan=PLAN)
+    torch.manual_seed(1)
+    module = GPT()
+    model, opt = fabric.setup(module, adamw(module.parameters()))
+    fabric.load(saved_dir / "checkpoint", {"model": model, "optimizer": opt})
+    saved = torch.load(saved_dir / "weights.pt", weights_only=True)
+    assert two_d_params(model) == 24
+    got = {k: full(v).detach() for k, v in model.state_dict().items()}
+    assert opt.state, "the optimizer state was not loaded"
+    return {"max_diff": max(assert_close(got[k], saved[k], 0.0, f"1x2 {k}") for k in saved)}
+
+
 if __name__ == "__main__":
+    if "LFSDP_TP_LOAD" in os.environ:
+        import harness
+
+        harness.CASES[:] = [loads_on_one_by_two]
     run_cases()
