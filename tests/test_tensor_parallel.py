@@ -17,6 +17,7 @@ CASES = [
     "meta_device_init_splits_pieces_and_keeps_copies_equal",
     "activation_checkpointing_and_accumulation_without_sync_match_one_process",
     "bf16_mixed_precision_trains",
+    "hugging_face_safetensors_load_straight_into_the_2d_shards",
     "trainer_gpt_with_an_explicit_plan_matches_one_process_and_tp_peers_share_batches",
     "trainer_hugging_face_llama_with_its_own_plan_matches_one_process",
 ]

@@ -355,6 +355,40 @@ def bf16_mixed_precision_trains():
     return {"losses": losses}
 
 
+@case
+def hugging_face_safetensors_load_straight_into_the_2d_shards():
+    """``save_pretrained`` output into a tiny Llama built on the meta device and split by its own plan: through
+    ``lightning_fsdp.load_pretrained`` and ``fabric.load_raw``, every weight equals the saved one."""
+    import lightning_fsdp
+
+    fabric = make_fabric(WORLD, auto_wrap_policy={llama_block()}, tensor_parallel_size=TP, tensor_parallel_plan="auto")
+    root = shared_tmpdir(fabric)
+    torch.manual_seed(5)
+    if fabric.global_rank == 0:
+        llama().save_pretrained(root / "hf")
+    fabric.barrier()
+    expected = llama_state(root / "hf")
+    out = {}
+    for route in ("load_pretrained", "load_raw"):
+        with fabric.init_module(empty_init=True):
+            module = llama()
+        model = fabric.setup_module(module)
+        assert two_d_params(model.module) > 0
+        if route == "load_pretrained":
+            lightning_fsdp.load_pretrained(model.module, root / "hf")
+        else:
+            fabric.load_raw(root / "hf", model)
+        got = {k: full(v).detach() for k, v in model.module.state_dict().items()}
+        out[route] = max(assert_close(got[k], expected[k], 0.0, f"{route} {k}") for k in expected)
+    return out
+
+
+def llama_state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
 # --- Trainer ------------------------------------------------------------------------------------------------------
 
 
