@@ -26,6 +26,10 @@ import torch
 import isolation
 
 CASES: list[Callable[[], Any]] = []
+# Set by ``pool.py``, which runs several scripts' cases in one launch: run_cases then returns instead of exiting,
+# and POOL_FAILED says whether any case failed.
+POOLED = False
+POOL_FAILED = False
 TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")))
 
 
@@ -60,6 +64,10 @@ def run_cases() -> None:
             failed = True
             print(f"[rank {rank()}] case {fn.__name__} failed:\n{record['error']}", file=sys.stderr, flush=True)
         (out / f"{fn.__name__}.rank{rank()}.json").write_text(json.dumps(record))
+    if POOLED:
+        global POOL_FAILED
+        POOL_FAILED = POOL_FAILED or failed
+        return
     # The exit status this rank means to have: the pytest side holds torchrun's real one against it, so a crash at
     # exit, after every result is written, still fails the launch.
     code = 1 if failed else 0
