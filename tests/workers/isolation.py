@@ -75,10 +75,11 @@ def leaks(before: Snapshot, *, allow_new_group: bool = True) -> list[str]:
         found.append(f"the default process group was {'destroyed' if group is None else 'replaced'}")
     elif before.group is None and group is not None and not allow_new_group:
         found.append("a default process group was created and left initialized")
-    gc.collect()  # a file object nobody holds any more is closed by its finalizer, not leaked
-    for fd, target in sorted(_open_files().items()):
-        if before.files.get(fd) != target:
-            found.append(f"file left open: {target} (fd {fd})")
+    opened = _new_files(before)
+    if opened:  # a file object nobody holds any more is closed by its finalizer, not leaked (collect only then: slow)
+        gc.collect()
+        opened = _new_files(before)
+    found += [f"file left open: {target} (fd {fd})" for fd, target in opened]
     if os.getcwd() != before.cwd:
         found.append(f"working directory: {before.cwd} -> {os.getcwd()}")
     added = [p for p in sys.path if p not in before.path]
@@ -86,6 +87,10 @@ def leaks(before: Snapshot, *, allow_new_group: bool = True) -> list[str]:
     if added or removed:
         found.append(f"sys.path: added {added}, removed {removed}")
     return found
+
+
+def _new_files(before: Snapshot) -> list[tuple[str, str]]:
+    return [(fd, target) for fd, target in sorted(_open_files().items()) if before.files.get(fd) != target]
 
 
 def _handlers() -> dict[int, Any]:
