@@ -123,6 +123,19 @@ def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]
     return Launch(out=out / Path(script).stem, world_size=nproc, log=log, returncode=returncode)
 
 
+def pooled(script: str, nproc: int, *, name: str, **env: str):
+    """A module-scoped fixture ``name`` giving the :class:`Launch` that ran ``script``'s cases in its pool, for a test
+    file that checks the cases itself (``name.check(case)``) rather than through :func:`case_tests`."""
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory):
+        return pooled_launch(script, nproc, tmp_path_factory, env)
+
+    return fixture
+
+
 def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
