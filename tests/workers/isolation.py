@@ -31,6 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# Set by torch itself, once per process, the first time something needs them (a CUDA availability check, the first
+# torch.compile): process-wide caches, not a case's state. Only their first appearance is allowed, not a change.
+TORCH_SETS_ONCE = {"PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
 # A pool's worker thread (DCP's async save, for one) ends a moment after its last task: wait this long for it.
 THREAD_GRACE_S = float(os.environ.get("LFSDP_TEST_THREAD_GRACE_S", "5"))
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
@@ -57,7 +60,7 @@ def leaks(before: Snapshot, *, allow_new_group: bool = True) -> list[str]:
     found = []
     env = dict(os.environ)
     for key in sorted(set(env) | set(before.env)):
-        if env.get(key) != before.env.get(key):
+        if env.get(key) != before.env.get(key) and not (key in TORCH_SETS_ONCE and key not in before.env):
             found.append(f"environment variable {key}: {before.env.get(key)!r} -> {env.get(key)!r}")
     handlers = _handlers()
     for sig in _SIGNALS:
