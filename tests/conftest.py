@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 
+import launch
+
+
+def pytest_collection_finish(session):
+    """Tell the launch pools which test modules have selected tests (see ``launch.pooled_launch``)."""
+    launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
+
 
 @pytest.fixture()
 def tmpfs(tmp_path):

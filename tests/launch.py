@@ -95,17 +95,68 @@ def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
     return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr, returncode=proc.returncode)
 
 
-def case_tests(script: str, nproc: int, cases: list[str], **env: str):
+# The pools: worker scripts whose cases share one launch, keyed by (world size, environment). Filled as test files
+# are collected (``case_tests`` at module level); SELECTED, set by conftest.py once collection is done, holds the
+# test modules that have selected tests, so a run of one file or a `-k` selection launches only what it needs.
+_POOLS: dict[tuple, list[tuple[str, str]]] = {}
+_POOL_LAUNCHES: dict[tuple, tuple[Path, str, int, list[str]]] = {}
+SELECTED: set[str] | None = None
+
+
+def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]) -> Launch:
+    """The launch that ran ``script``'s cases: one ``workers/pool.py`` launch for every selected script of the same
+    world size and environment, started by the first test that needs it."""
+    key = (nproc, tuple(sorted(env.items())))
+    if key not in _POOL_LAUNCHES:
+        members = [s for s, module in _POOLS.get(key, []) if SELECTED is None or module in SELECTED]
+        scripts = list(dict.fromkeys(members + [script]))
+        if len(scripts) == 1:
+            return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
+        out = tmp_path_factory.mktemp(f"pool{nproc}")
+        proc = subprocess.run(torchrun("pool.py", nproc), env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts),
+                                                                         **env),
+                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        _POOL_LAUNCHES[key] = (out, proc.stdout + proc.stderr, proc.returncode, scripts)
+    out, log, returncode, scripts = _POOL_LAUNCHES[key]
+    if script not in scripts:  # not selected when the pool started (cannot happen in one session; kept safe)
+        return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
+    return Launch(out=out / Path(script).stem, world_size=nproc, log=log, returncode=returncode)
+
+
+def pooled(script: str, nproc: int, *, name: str, **env: str):
+    """A module-scoped fixture ``name`` giving the :class:`Launch` that ran ``script``'s cases in its pool, for a test
+    file that checks the cases itself (``name.check(case)``) rather than through :func:`case_tests`."""
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory):
+        return pooled_launch(script, nproc, tmp_path_factory, env)
+
+    return fixture
+
+
+def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
     Use at module level: ``results, test_case = case_tests("fabric_core.py", 2, CASES)``; ``env`` goes to the
     workers' environment. A case whose every rank passed but one reported ``{"skipped": reason}`` (it needs what
     this machine lacks, such as a tmpfs mount) is reported as skipped, not passed.
+
+    The script's cases run in one launch with those of the other selected scripts of the same world size and ``env``
+    (``workers/pool.py``): a launch costs seconds of imports and rendezvous, a case often less. ``pooled=False`` gives
+    the script a launch of its own: for cases that measure their process (its memory), or that the cases of other
+    scripts must not share a process with (see CONTRIBUTING.md).
     """
+    if pooled:
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
-        return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
+        if not pooled:
+            return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
+        return pooled_launch(script, nproc, tmp_path_factory, env)
 
     @pytest.mark.parametrize("name", cases)
     def test_case(results, name):

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from launch import WORKERS, launch
+from launch import WORKERS, pooled
 from lightning_fsdp.checkpoint.convert import convert
 from lightning_fsdp.cli import main
 
@@ -50,11 +50,13 @@ def memory_run(tmp_path_factory):
     shutil.rmtree(out, ignore_errors=True)  # 1.2 GB; pytest keeps old temp directories around
 
 
+made = pooled("make_checkpoints.py", 2, name="made")  # its cases run in the 2-rank pool's launch
+
+
 @pytest.fixture(scope="module")
-def strategy(tmp_path_factory):
-    results = launch("make_checkpoints.py", 2, tmp_path_factory.mktemp("make_checkpoints"))
-    results.check("save_sharded_and_full_checkpoints")
-    return results
+def strategy(made):
+    made.check("save_sharded_and_full_checkpoints")
+    return made
 
 
 @pytest.fixture(scope="module")

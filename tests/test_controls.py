@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import case_tests, launch
+from launch import case_tests, pooled
 from lightning_fsdp.engine.activation_checkpointing import CheckpointingPolicy
 from lightning_fsdp.engine.resharding import ReshardPlan
 from lightning_fsdp.fabric import FSDPStrategy
@@ -40,9 +40,7 @@ FOUR_RANKS = [
 results, test_two_ranks = case_tests("controls.py", 2, TWO_RANKS)
 
 
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return launch("controls.py", 4, tmp_path_factory.mktemp("controls4"))
+four_ranks = pooled("controls.py", 4, name="four_ranks")  # one 4-rank launch with the other 4-rank scripts
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)

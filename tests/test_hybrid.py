@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from launch import LAUNCH_TIMEOUT_S, Launch, free_port, launch, torchrun, worker_env
+from launch import LAUNCH_TIMEOUT_S, Launch, free_port, pooled, torchrun, worker_env
 
 CASES = [
     "hybrid_mesh_shape_and_placements",
@@ -18,9 +18,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory):
-    return launch("hybrid.py", 4, tmp_path_factory.mktemp("hybrid"))
+one_node = pooled("hybrid.py", 4, name="one_node")  # one 4-rank launch with the other 4-rank scripts
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,10 @@
 """The memory planner: its command line, its Python form, that it allocates nothing, and its accuracy against real
-2-rank steps measured with the same tracker (``benchmarks/plan_accuracy.py`` runs the larger set)."""
+2-rank steps measured with the same tracker (``benchmarks/plan_accuracy.py`` runs the larger set).
+
+The command runs in this process (``run_plan``: ``cli.main`` through ``tests/inprocess.py``, which restores the
+working directory, ``sys.path`` and the imported model files, and fails a run that leaves state behind), except in
+the tests that check what only a real process shows: the module entry point's exit statuses and its output, in
+``test_json_output_has_the_peak_per_rank_and_the_breakdown`` and ``test_bad_input_exits_2_from_a_real_process``."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from inprocess import run_cli
 from lightning_fsdp.planner import STRATEGY_OPTIONS, plan_memory, suggest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +126,13 @@ def models_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def run_plan(folder: Path, *args: str) -> subprocess.CompletedProcess:
+def run_plan(folder: Path, *args: str):
+    """`lightning-fsdp plan ARGS` run in ``folder``, in this process: ``.returncode``, ``.stdout``, ``.stderr``."""
+    return run_cli(["plan", *args], cwd=folder)
+
+
+def run_plan_process(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """The same as a new process, `python -m lightning_fsdp plan ARGS`: for the end-to-end checks."""
     command = [sys.executable, "-m", "lightning_fsdp", "plan", *args]
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600)
 
@@ -131,7 +143,7 @@ def small_plan(**options):
 
 
 def test_json_output_has_the_peak_per_rank_and_the_breakdown(models_dir):
-    proc = run_plan(models_dir, "--model", "mymodels:build", "--inputs", "mymodels:batch", "--world-size", "2",
+    proc = run_plan_process(models_dir, "--model", "mymodels:build", "--inputs", "mymodels:batch", "--world-size", "2",
                     "--auto-wrap-policy", "train_gpt.Block", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
@@ -212,6 +224,16 @@ def test_bad_input_is_one_line_with_the_option_and_a_hint(models_dir, args, need
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "HINT" in lines[0], proc.stderr
+
+
+def test_bad_input_exits_2_from_a_real_process(models_dir):
+    """The in-process runs above hold `main`'s return value; this one holds the exit status of `python -m
+    lightning_fsdp plan` itself, and that nothing else (an import-time warning, say) reaches its stderr."""
+    proc = run_plan_process(models_dir, "--model", "mymodels:fails", "--inputs", "mymodels:batch", "--world-size", "2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model factory failed" in lines[0] and "HINT" in lines[0], proc.stderr[-3000:]
+    assert proc.stdout == "", proc.stdout
 
 
 # Issue 21, D10 and D12: failures of the user's code and an unbounded world size were tracebacks with exit 1.

@@ -4,6 +4,11 @@ A worker script defines cases with ``@case`` and calls :func:`run_cases`. Each c
 rank writes ``<case>.rank<r>.json`` into ``$LFSDP_TEST_OUT`` with ``ok`` and either ``details`` or the traceback.
 The pytest side (``tests/launch.py``) turns every (case, rank) file into one test outcome, so a launch of a few
 seconds covers many cases and a missing file is a failure, never a silent pass.
+
+Cases that share a process must not leak state into each other: after each case, the isolation guard
+(``isolation.py``) compares the environment, signal handlers, non-daemon threads, the default process group, open
+files, the working directory and ``sys.path`` with what they were before it, and fails the case that changed them,
+naming what it left behind. ``tests/test_isolation.py`` shows the guard failing cases that leak on purpose.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from typing import Any, Callable
 
 import torch
 
+import isolation
+
 CASES: list[Callable[[], Any]] = []
+# Set by ``pool.py``, which runs several scripts' cases in one launch: run_cases then returns instead of exiting,
+# and POOL_FAILED says whether any case failed.
+POOLED = False
+POOL_FAILED = False
 TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")))
 
 
@@ -40,13 +51,23 @@ def run_cases() -> None:
     for fn in CASES:
         if only and fn.__name__ not in only:
             continue
+        before = isolation.snapshot()
         try:
             record = {"ok": True, "details": _jsonable(fn())}
         except BaseException:  # noqa: BLE001 - the traceback goes to the pytest side
-            failed = True
             record = {"ok": False, "error": traceback.format_exc()}
+        left = isolation.leaks(before)
+        if left:
+            message = f"case {fn.__name__} leaked state into the cases after it:\n  " + "\n  ".join(left)
+            record = {"ok": False, "error": record.get("error", "") + message + "\n"}
+        if not record["ok"]:
+            failed = True
             print(f"[rank {rank()}] case {fn.__name__} failed:\n{record['error']}", file=sys.stderr, flush=True)
         (out / f"{fn.__name__}.rank{rank()}.json").write_text(json.dumps(record))
+    if POOLED:
+        global POOL_FAILED
+        POOL_FAILED = POOL_FAILED or failed
+        return
     # The exit status this rank means to have: the pytest side holds torchrun's real one against it, so a crash at
     # exit, after every result is written, still fails the launch.
     code = 1 if failed else 0
