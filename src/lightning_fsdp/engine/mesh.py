@@ -8,7 +8,8 @@ The data-parallel part of the mesh always has one of two shapes:
 
 With ``tensor_parallel_size=K`` a last axis ``("tp",)`` of size K follows (see :mod:`.tensor_parallel`): the ranks of
 one tensor-parallel group are consecutive, and :func:`data_parallel_mesh` / :func:`tensor_parallel_mesh` give the two
-parts. A rank's data-parallel rank is ``global_rank // K``: the K ranks of a group see the same batch.
+parts. A rank's data-parallel rank is ``global_rank // K`` (the fronts' samplers use it): the K ranks of a group see
+the same batch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lightning_fsdp.engine.tensor_parallel import TP_AXIS
 
 __all__ = [
     "ClusterInfo", "default_backend", "init_process_group", "build_mesh", "data_parallel_mesh", "tensor_parallel_mesh",
-    "data_parallel_rank_and_size", "SHARD_AXIS", "REPLICATE_AXIS",
+    "SHARD_AXIS", "REPLICATE_AXIS",
 ]
 
 SHARD_AXIS = "shard"
@@ -132,15 +133,6 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def tensor_parallel_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
     """The ``"tp"`` axis, or None without tensor parallelism."""
     return mesh[TP_AXIS] if TP_AXIS in (mesh.mesh_dim_names or ()) else None
-
-
-def data_parallel_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's data-parallel rank and the number of data-parallel ranks: what a sampler must shard the data by,
-    so the ranks of one tensor-parallel group see the same batch."""
-    tp = tensor_parallel_mesh(mesh)
-    size = mesh.size() // (tp.size() if tp is not None else 1)
-    rank = dist.get_rank() // (tp.size() if tp is not None else 1) if dist.is_initialized() else 0
-    return rank, size
 
 
 def _mismatch(value: Union[tuple, DeviceMesh], shape: tuple, world_size: int, num_nodes: int, tp: int = 1) -> str:

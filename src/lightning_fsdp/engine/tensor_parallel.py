@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from difflib import get_close_matches
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -258,7 +258,3 @@ def _check_fits(name: str, module: nn.Module, shown: Any, style: ParallelStyle, 
             f"Use a tensor_parallel_size that divides {dim}, or leave {name!r} out of the plan.",
             problem=f"{name!r} has {what}={dim}, which {size} ranks cannot split evenly",
         ))
-
-
-def describe(tp: Optional[TensorParallel]) -> str:
-    return "" if tp is None or not tp.enabled else f", tensor parallel over {tp.size} ranks"
