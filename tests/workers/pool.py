@@ -14,6 +14,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import torch
+
 import harness
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +28,10 @@ def main() -> None:
     for script in scripts:
         os.environ["LFSDP_TEST_OUT"] = str(root / Path(script).stem)
         harness.CASES.clear()
+        # Each script starts with dynamo's caches empty, as in a process of its own: frames compiled for one
+        # script's models (a hook shared by every model, say) otherwise carry guards into the next script's compiles,
+        # and on Lightning 2.5 building such a guard failed with an IndexError inside dynamo.
+        torch._dynamo.reset()
         try:
             runpy.run_path(str(HERE / script), run_name="__main__")
         except BaseException as err:  # noqa: BLE001 - a script that fails outside its cases fails its launch
