@@ -15,6 +15,7 @@ CASES = [
     "plain_single_device_checkpoint_loads_into_the_sharded_model",
     "async_save_returns_early_and_the_checkpoint_is_complete",
     "async_save_errors_surface_at_the_next_call",
+    "async_staging_keeps_each_dtensor_on_its_host_copy",
     "consecutive_async_saves_with_training_between_each_load_their_own_state",
     "uneven_shapes_and_views_in_a_full_checkpoint_read_back_exactly",
     "uneven_shapes_convert_exactly_from_a_sharded_checkpoint",

@@ -422,6 +422,39 @@ def consecutive_async_saves_with_training_between_each_load_their_own_state():
 
 
 @case
+def async_staging_keeps_each_dtensor_on_its_host_copy():
+    """A background save stages every DTensor shard into a host copy and writes that copy. On a CUDA mesh,
+    ``DTensor.from_local`` moves a host tensor to the GPU, so wrapping the host copy with it gave DCP a separate GPU
+    tensor, copied before the host copy was filled: checkpoints of uninitialized memory, found on an H100. Here
+    ``from_local`` is made to copy as it does there, and the save must still load back exactly."""
+    from torch.distributed.tensor import DTensor
+
+    fabric = make_fabric(WORLD, async_save=True)
+    model, opt = _setup(fabric)
+    train_steps(fabric, model, opt, steps=2)
+    root = shared_tmpdir(fabric)
+    original = DTensor.from_local
+
+    def as_on_another_device(local, *args, **kwargs):
+        return original(torch.full_like(local, float("nan")), *args, **kwargs)  # a different tensor, not filled
+
+    expected = (full_params(model), tensor_opt_state(opt))
+    DTensor.from_local = staticmethod(as_on_another_device)
+    try:
+        fabric.save(root / "ckpt", {"model": model, "optimizer": opt})  # returns once staged
+    finally:
+        DTensor.from_local = original
+    kept = fabric.strategy._background_saves._stager._kept.values()
+    shared = [staged.to_local().data_ptr() == host.data_ptr() for _, host, staged in kept if isinstance(staged, DTensor)]
+    assert shared and all(shared), f"{shared.count(False)} of {len(shared)} staged DTensors do not hold their host copy"
+    other, other_opt = _setup(fabric, seed=5)
+    fabric.load(root / "ckpt", {"model": other, "optimizer": other_opt})
+    assert same_tensors(expected[0], full_params(other)), "the parameters loaded are not those saved"
+    assert same_tensors(expected[1], tensor_opt_state(other_opt)), "the optimizer state loaded is not that saved"
+    return {"staged_dtensors": len(shared)}
+
+
+@case
 def async_save_errors_surface_at_the_next_call():
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)

@@ -58,6 +58,18 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as DCPStorageIn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+def dtensor_around(local, like):
+    """A DTensor that is ``like`` in every respect (mesh, placements, global shape and strides) but holds ``local``
+    as its local tensor, wherever ``local`` lives. ``DTensor.from_local`` cannot do this: it moves a local tensor to
+    the mesh's device type, so a host copy of a CUDA DTensor would become a second, separate CUDA copy. torch's own
+    checkpoint stagers build such host DTensors the same way, through the private constructor and ``_spec``."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, copy.copy(like._spec), requires_grad=False)
+
+
 def legacy_storage_type(dtype):
     """The legacy storage class (e.g. ``torch.FloatStorage``) that torch.save names in its pickled references to a
     tensor of ``dtype``, or None for the dtypes it writes as an untyped storage plus the dtype instead (the float8
@@ -245,6 +257,7 @@ __all__ = [
     "FabricConnector",
     "TrainerConnector",
     "legacy_storage_type",
+    "dtensor_around",
     "open_zipfile_writer",
     "rebuild_tensor",
     "rebuild_tensor_with_dtype",

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp._base.compat import IncompatibleKeys
+from lightning_fsdp._base.compat import IncompatibleKeys, dtensor_around
 
 __all__ = ["accept_full_tensors", "local_shard", "load_full_from_rank0", "has_own_load_hooks"]
 
@@ -118,7 +118,8 @@ def local_shard(full: Tensor, like: DTensor, *, own_storage: bool = False) -> DT
     moved = piece.to(device=local.device)
     if own_storage and moved is piece:
         moved = piece.clone(memory_format=torch.contiguous_format)
-    return DTensor.from_local(moved, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    # Beside `like`'s own shard (on the host under CPU offload): `DTensor.from_local` would move it to the mesh's device.
+    return dtensor_around(moved, like)
 
 
 def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]], *, strict: bool) -> IncompatibleKeys:

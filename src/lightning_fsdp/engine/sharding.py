@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,26 +70,30 @@ class ParameterOwners:
     ``fully_shard`` and ``to_empty`` replace parameter objects, but they leave the owning module and attribute name
     alone. Looking a parameter up again through its owner finds its replacement, however many times it was
     replaced, and whatever wrappers were inserted above the owner.
+
+    The original parameters are held only weakly. They are the whole, unsharded tensors (on the GPU, once
+    ``fully_shard`` has moved them there), so a strong reference here would keep a full copy of the model alive on
+    every rank for as long as the strategy lives. An optimizer built before setup still holds them until it is
+    remapped, which is all the lookup by identity needs; each entry checks its weak reference, so an id that Python
+    reuses for a new object after the original died is never mistaken for it.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self._owners: dict[int, tuple[nn.Module, str]] = {}
-        self._originals: list[nn.Parameter] = []  # keeps the ids above from being reused
+        self._owners: dict[int, tuple[nn.Module, str, weakref.ref]] = {}
         for owner in module.modules():
             for name, param in owner._parameters.items():
                 if param is not None and id(param) not in self._owners:
-                    self._owners[id(param)] = (owner, name)
-                    self._originals.append(param)
+                    self._owners[id(param)] = (owner, name, weakref.ref(param))
 
     def locate(self, param: torch.Tensor) -> Optional[tuple[nn.Module, str]]:
         """The (module, attribute name) slot that holds ``param`` now or held it at construction; ``None`` if the
         model never owned it. The slot outlives every replacement of the parameter object: the sharded DTensor, and
         the plain tensor FSDP registers there while a unit is unsharded."""
         entry = self._owners.get(id(param))
-        if entry is not None:
-            return entry
-        return next(((owner, name) for owner, name in self._owners.values() if param is owner._parameters.get(name)),
-                    None)
+        if entry is not None and entry[2]() is param:
+            return entry[0], entry[1]
+        return next(((owner, name) for owner, name, _ in self._owners.values()
+                     if param is owner._parameters.get(name)), None)
 
 
 def shard_model(

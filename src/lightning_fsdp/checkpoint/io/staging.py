@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_fsdp._base.compat import dtensor_around
+
 __all__ = ["ReusedStaging"]
 
 
@@ -70,8 +72,8 @@ class ReusedStaging:
         else:
             host = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="cpu",
                                        pin_memory=self._pin and local.device.type != "cpu")
-            staged = host if not isinstance(value, DTensor) else DTensor.from_local(
-                host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+            # Not `DTensor.from_local`: on a CUDA mesh it would copy `host` to the GPU, before `host` is filled.
+            staged = dtensor_around(host, value) if isinstance(value, DTensor) else host
         host.copy_(local)
         self._kept[where] = (signature, host, staged)
         return staged
