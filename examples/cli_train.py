@@ -69,7 +69,9 @@ class TokenData(LightningDataModule):
 # ------------------------------------------------------------------------------------------------------------------
 # Model: token and position embeddings, a stack of torch's own transformer blocks with a causal mask, a linear head.
 # The blocks are `torch.nn.TransformerEncoderLayer`, so the YAML can name them by their dotted path in the
-# strategy's policies.
+# strategy's policies. GELU, as in GPT-2, rather than the layer's default ReLU: a smooth activation keeps runs that
+# round differently (sharded or split layers against one process) within the tests' tolerances; at ReLU's kink a
+# rounding difference switches a unit on or off.
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -79,7 +81,8 @@ class TinyGPT(nn.Module):
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True)
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(dim)

@@ -8,167 +8,36 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
 
-import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
 
 from common import full, make_fabric, shared_tmpdir
-from harness import TIMEOUT, assert_close, case, run_cases
-from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
-
-WORLD, TP = 4, 2
-DP = WORLD // TP
-VOCAB, DIM, HEADS, SEQ, BATCH = 64, 32, 4, 8, 2  # BATCH per data-parallel rank
-ATOL = 1e-5
-
-PLAN = {
-    "blocks.*.attn.q_proj": "colwise", "blocks.*.attn.k_proj": "colwise", "blocks.*.attn.v_proj": "colwise",
-    "blocks.*.attn.o_proj": "rowwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
-}
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(DIM, DIM) for _ in range(3))
-        self.o_proj = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds its share of the heads.
-        q, k, v = (p(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(DIM), Attention(), nn.LayerNorm(DIM), MLP()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    ))
-
-
-def llama_block() -> type:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
-
-
-def tokens(step: int, dp_rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * step + dp_rank))
-
-
-def global_tokens(step: int) -> torch.Tensor:
-    return torch.cat([tokens(step, r) for r in range(DP)])
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_of(model(batch[:, :-1])).reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
-
-
-def reference(build: Callable[[], nn.Module], steps: int, max_norm: float = 0.0) -> tuple[nn.Module, list, list]:
-    torch.manual_seed(0)
-    model = build()
-    opt = adamw(model.parameters())
-    losses, norms = [], []
-    for step in range(steps):
-        loss = loss_of(model, global_tokens(step))
-        loss.backward()
-        if max_norm:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses, norms
-
-
-def adamw(params) -> torch.optim.Optimizer:
-    # eps 1e-4, not 1e-8: the key bias's gradient is zero but for rounding (softmax ignores a constant added to every
-    # key), and Adam would turn that rounding noise, which no two summation orders share, into full-size steps.
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4)
-
-
-def dp_rank() -> int:
-    return dist.get_rank() // TP
-
-
-def compare(model: nn.Module, ref: nn.Module, label: str) -> dict:
-    got = {k: full(v).detach() for k, v in model.state_dict().items()}
-    expected = ref.state_dict()
-    assert sorted(got) == sorted(expected), f"{label}: keys differ {sorted(set(got) ^ set(expected))[:5]}"
-    diff = max(assert_close(got[k], expected[k], ATOL, f"{label} {k}") for k in expected)
-    return {"max_param_diff": diff}
-
-
-def two_d_params(model: nn.Module) -> int:
-    """How many parameters are DTensors over both the data-parallel and the tensor-parallel axis."""
-    return sum(1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))
-
-
-# --- Fabric -------------------------------------------------------------------------------------------------------
-
-
-def fabric_train(build, policy, plan, steps: int = 3, max_norm: float = 0.0, **kwargs) -> tuple:
-    fabric = make_fabric(WORLD, auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan, **kwargs)
-    torch.manual_seed(0)
-    module = build()
-    model, opt = fabric.setup(module, adamw(module.parameters()))
-    losses, norms = [], []
-    for step in range(steps):
-        loss = loss_of(model, tokens(step, dp_rank()))
-        fabric.backward(loss)
-        if max_norm:
-            norms.append(fabric.clip_gradients(model, opt, max_norm=max_norm).item())
-        opt.step()
-        opt.zero_grad()
-        # Every rank's loss is its data-parallel rank's mean: the mean over ranks is the global mean.
-        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-    return fabric, model, opt, losses, norms
+from harness import assert_close, case, run_cases
+from tp_models import (
+    ATOL,
+    DP,
+    PLAN,
+    TP,
+    WORLD,
+    Block,
+    GPT,
+    adamw,
+    check_peers_saw_the_same_batches,
+    compare,
+    dp_rank,
+    fabric_train,
+    llama,
+    llama_block,
+    loss_of,
+    reference,
+    reference_on,
+    tokens,
+    trainer_fit,
+    two_d_params,
+)
 
 
 @case
@@ -387,78 +256,6 @@ def llama_state(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
-
-
-# --- Trainer ------------------------------------------------------------------------------------------------------
-
-
-class Tokens(Dataset):
-    """Sample ``i`` is row ``i % BATCH`` of data-parallel rank ``(i // BATCH) % DP``'s batch of step ``i // (BATCH*DP)``,
-    so the sampler's data-parallel shards, unshuffled, are exactly the Fabric side's batches."""
-
-    def __len__(self) -> int:
-        # Twice the 3 steps trained: a sampler that split the data over all 4 ranks would still fill 3 full steps,
-        # and fail the batch check rather than stop short.
-        return 6 * BATCH * DP
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        step, rest = divmod(i, BATCH * DP)
-        return tokens(step, rest % DP)[rest // DP]
-
-
-class Lit(L.LightningModule):
-    def __init__(self, build: Callable[[], nn.Module]) -> None:
-        super().__init__()
-        self.build, self.seen = build, []
-
-    def configure_model(self) -> None:
-        if not hasattr(self, "model"):
-            torch.manual_seed(0)
-            self.model = self.build()
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        self.seen.append(batch.clone())
-        return loss_of(self.model, batch)
-
-    def configure_optimizers(self) -> Any:
-        return adamw(self.parameters())
-
-
-def trainer_fit(build, policy, plan) -> Lit:
-    lit = Lit(build)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=TrainerFSDPStrategy(auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan,
-                                     timeout=TIMEOUT),
-    )
-    trainer.fit(lit, DataLoader(Tokens(), batch_size=BATCH))
-    return lit
-
-
-def check_peers_saw_the_same_batches(lit: Lit) -> list[torch.Tensor]:
-    """Every rank's batches; the two ranks of a tensor-parallel group must have seen the same ones, the two
-    data-parallel ranks different ones."""
-    mine = torch.stack(lit.seen)
-    gathered = [torch.empty_like(mine) for _ in range(WORLD)]
-    dist.all_gather(gathered, mine)
-    for rank in range(WORLD):
-        peer = rank ^ 1  # the other rank of the same tensor-parallel group
-        assert torch.equal(gathered[rank], gathered[peer]), f"ranks {rank} and {peer} (one tp group) saw different batches"
-    assert not torch.equal(gathered[0], gathered[2]), "both data-parallel ranks saw the same batches"
-    return gathered
-
-
-def reference_on(build, gathered: list[torch.Tensor]) -> nn.Module:
-    """One process trained on each step's global batch: the data-parallel ranks' batches (ranks 0 and 2) in order."""
-    torch.manual_seed(0)
-    model = build()
-    opt = adamw(model.parameters())
-    for step in range(gathered[0].shape[0]):
-        loss_of(model, torch.cat([gathered[r][step] for r in range(0, WORLD, TP)])).backward()
-        opt.step()
-        opt.zero_grad()
-    return model
 
 
 @case
