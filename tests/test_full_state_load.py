@@ -32,4 +32,4 @@ CASES = [
 ]
 
 
-results, test_case = case_tests("full_state_load.py", 2, CASES, LFSDP_TEST_PG_TIMEOUT="60")
+results, test_case = case_tests("full_state_load.py", 2, CASES)

@@ -14,4 +14,4 @@ CASES = [
 ]
 
 
-results, test_case = case_tests("save_targets.py", 2, CASES, LFSDP_TEST_PG_TIMEOUT="60")
+results, test_case = case_tests("save_targets.py", 2, CASES)
