@@ -234,3 +234,35 @@ def tensor_opt_state(opt: torch.optim.Optimizer) -> dict:
 
 def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def grad_free_forwards(loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> dict[str, Callable]:
+    """The forwards without backward that users run between the backwards and the step, by name, each returning a
+    tensor to compare with one process's: a ``no_grad`` loss, an ``inference_mode`` loss, a loss in ``eval()`` (which
+    alone keeps autograd on: the output requires grad and nobody backpropagates it), and greedy decoding (one forward
+    per token under ``no_grad``: many forwards, none with a backward). ``loss(model, batch)`` is the model's loss."""
+
+    def no_grad(model, batch):
+        with torch.no_grad():
+            return loss(model, batch)
+
+    def inference_mode(model, batch):
+        with torch.inference_mode():
+            return loss(model, batch).clone()
+
+    def eval_mode(model, batch):
+        model.eval()
+        try:
+            return loss(model, batch)
+        finally:
+            model.train()
+
+    def generation(model, batch, new_tokens: int = 5):
+        tokens = batch[:, :3]
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return tokens.float()
+
+    return {"no_grad": no_grad, "inference_mode": inference_mode, "eval_mode": eval_mode, "generation": generation}
+

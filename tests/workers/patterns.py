@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from common import (
     full,
     global_batch,
+    grad_free_forwards,
     loss_fn,
     make_fabric,
     max_param_diff,
@@ -92,37 +93,7 @@ def _with_extra_forwards(label: str, extra: Callable[[nn.Module, torch.Tensor], 
     return {"param_diff": max_param_diff(model, reference, ATOL), "extra_output_diff": extra_diff}
 
 
-def _no_grad_loss(model, batch):
-    with torch.no_grad():
-        return loss_fn(model, batch)
-
-
-def _inference_mode_loss(model, batch):
-    with torch.inference_mode():
-        return loss_fn(model, batch).clone()
-
-
-def _eval_mode_loss(model, batch):
-    # eval() alone keeps autograd on: the output requires grad, and nobody backpropagates it.
-    model.eval()
-    try:
-        return loss_fn(model, batch)
-    finally:
-        model.train()
-
-
-def _generate(model, batch, new_tokens: int = 5):
-    """Greedy decoding, one forward per token under no_grad: many forwards, none with a backward."""
-    tokens = batch[:, :3]
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(tokens)
-            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tokens.float()
-
-
-EXTRAS = {"no_grad": _no_grad_loss, "inference_mode": _inference_mode_loss, "eval_mode": _eval_mode_loss,
-          "generation": _generate}
+EXTRAS = grad_free_forwards(loss_fn)
 
 
 def _register_extra_cases() -> None:
@@ -169,7 +140,7 @@ def extra_forwards_change_nothing_under_bf16_mixed():
         for step in range(STEPS):
             fabric.backward(loss_fn(model, make_batch(step, fabric.global_rank)))
             if extra:
-                _no_grad_loss(model, make_batch(100 + step, fabric.global_rank))
+                EXTRAS["no_grad"](model, make_batch(100 + step, fabric.global_rank))
             opt.step()
             opt.zero_grad()
         results.append({k: full(v).detach().clone() for k, v in model.state_dict().items()})

@@ -11,7 +11,7 @@ import os
 import tempfile
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
-from common import full, make_fabric
+from common import full, grad_free_forwards, make_fabric
 from harness import TIMEOUT, assert_close, case, run_cases
 from lightning_fsdp._base.compat import WeightAveraging
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
@@ -59,36 +59,7 @@ def assert_at_rest(model: nn.Module, what: str) -> None:
 # --- forwards without backward, between the backwards and the step ------------------------------------------------
 
 
-def _no_grad_loss(model, batch):
-    with torch.no_grad():
-        return loss_of(model, batch)
-
-
-def _inference_mode_loss(model, batch):
-    with torch.inference_mode():
-        return loss_of(model, batch).clone()
-
-
-def _eval_mode_loss(model, batch):
-    model.eval()
-    try:
-        return loss_of(model, batch)
-    finally:
-        model.train()
-
-
-def _generate(model, batch, new_tokens: int = 4):
-    generated = batch[:, :3]
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            generated = torch.cat([generated, model(generated)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return generated.float()
-
-
-EXTRAS: dict[str, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {
-    "no_grad": _no_grad_loss, "inference_mode": _inference_mode_loss, "eval_mode": _eval_mode_loss,
-    "generation": _generate,
-}
+EXTRAS = grad_free_forwards(loss_of)
 
 
 @case
