@@ -67,7 +67,8 @@ def dtensor_around(local, like):
 
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, copy.copy(like._spec), requires_grad=False)
+    # A state dict's values may require grad (`dict(model.named_parameters())`); the DTensor made here never does.
+    return DTensor(local.detach(), copy.copy(like._spec), requires_grad=False)
 
 
 def legacy_storage_type(dtype):
