@@ -188,17 +188,13 @@ def by_hand(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def worker(args) -> dict:
-    import torch.distributed as dist
+def set_up(cfg: Config) -> dict[str, tuple]:
+    """Both sides, each ``(fabric, model, optimizer)`` on its own copy of the same initial weights (seed 0)."""
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
-    from torch.distributed.tensor import DTensor, Shard
 
     from lightning_fsdp.fabric import FSDPStrategy
 
-    torch.set_num_threads(1)
-    cfg = SIZES[args.size]
-    rank = int(os.environ["RANK"])
     fabrics = {
         "ours": Fabric(accelerator="cpu", devices=WORLD, strategy=FSDPStrategy(
             auto_wrap_policy={Block}, tensor_parallel_size=TP, tensor_parallel_plan=PLAN)),
@@ -214,17 +210,32 @@ def worker(args) -> dict:
         # setup onto the sharded parameters, so this is the one order that is right on both sides.
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
         sides[name] = (fabric, model, optimizer)
-    data = batches(cfg, rank // TP)  # the two ranks of a tensor-parallel group: the same batch
+    return sides
+
+
+def train_step(side: tuple, tokens: torch.Tensor, vocab: int, zero_grad: bool = True) -> float:
+    fabric, model, optimizer = side
+    loss = loss_of(model, tokens, vocab)
+    fabric.backward(loss)
+    optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad()
+    return loss.item()
+
+
+def worker(args) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    cfg = SIZES[args.size]
+    sides = set_up(cfg)
+    data = batches(cfg, int(os.environ["RANK"]) // TP)  # the two ranks of a tensor-parallel group: the same batch
     losses: dict[str, list[float]] = {name: [] for name in sides}
 
     def step(name: str, zero_grad: bool = True) -> None:
-        fabric, model, optimizer = sides[name]
-        loss = loss_of(model, data[len(losses[name]) % len(data)], cfg.vocab)
-        fabric.backward(loss)
-        optimizer.step()
-        if zero_grad:
-            optimizer.zero_grad()
-        losses[name].append(loss.item())
+        tokens = data[len(losses[name]) % len(data)]
+        losses[name].append(train_step(sides[name], tokens, cfg.vocab, zero_grad))
 
     def timed(name: str) -> float:
         dist.barrier()
