@@ -156,8 +156,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
     steps = [r for r in rows if r["figure"].startswith("step time")]
     if steps:
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(steps) + 1.2))
         names = [r["figure"].replace("step time ", "") for r in steps]
+        # Wide enough for the longest label beside a plot of about 3.5 inches.
+        fig, ax = plt.subplots(figsize=(max(7.0, 3.5 + 0.075 * max(map(len, names))), 0.45 * len(steps) + 1.2))
         medians = [r["median"] for r in steps]
         errors = [[m - r["min"] for m, r in zip(medians, steps)], [r["max"] - m for m, r in zip(medians, steps)]]
         ax.barh(names, medians, xerr=errors, color="tab:blue")

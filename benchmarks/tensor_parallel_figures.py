@@ -311,7 +311,7 @@ def rows_from(per_rank: list[dict], cfg: Config) -> list[dict]:
     seconds = first["seconds"]  # between barriers, so every rank times the same span
     shape = (f"{counts['total'] / 1e6:.1f}M-param GPT, {cfg.batch}x{cfg.seq} tokens per dp rank, 4 ranks"
              f" (dp={DP}, tp={TP})")
-    rows = [figure(f"step time, TP inside FSDP (dp={DP}, tp={TP}) vs Lightning's ModelParallelStrategy",
+    rows = [figure(f"step time, TP inside FSDP vs ModelParallelStrategy (dp={DP}, tp={TP})",
                    ratios(seconds["ours"], seconds["lightning"]),
                    baseline=f"ModelParallelStrategy with the same plan by hand, {shape}", target=("<=", 1.0),
                    detail={"seconds": seconds["ours"], "baseline_seconds": seconds["lightning"], "config": asdict(cfg),
@@ -319,7 +319,7 @@ def rows_from(per_rank: list[dict], cfg: Config) -> list[dict]:
     ideal = ideal_state_bytes(counts)
     held = {side: [r["state"][side]["params"] + r["state"][side]["grads"] + r["state"][side]["optimizer"]
                    for r in per_rank] for side in ("ours", "lightning")}
-    rows.append(figure(f"TP inside FSDP (dp={DP}, tp={TP}): model-state bytes per rank vs the plan's ideal",
+    rows.append(figure(f"TP inside FSDP (dp={DP}, tp={TP}): model-state bytes per rank vs ideal",
                        [b / ideal for b in held["ours"]],
                        baseline=f"16*(P_split/{DP * TP} + P_replicated/{DP})", target=("<=", 1.0),
                        detail={"ideal": ideal, "bytes_per_rank": held["ours"],
