@@ -8,6 +8,11 @@ alternating across rounds, and reports median, min and max (``rows.py``). This c
 ``docs/benchmarks.json`` and ``docs/benchmarks-table.md`` (included by ``docs/benchmarks.md``) and draws ``docs/*.png``: memory per rank against N, step time per
 configuration, and save throughput against the disk. Timings are of this machine at the time of the run: compare
 ratios, not seconds. ``--quick`` runs every script with small models and one or two rounds, to check that they work.
+
+``--only`` re-measures some scripts and merges their rows into the record already in ``--out`` (``merge``): the rows
+of the scripts it ran replace theirs, every other row stays as it was, and the record notes when, where and with what
+command the merged rows were measured (the table says so under its first line). Without a record there, it writes
+one of just those scripts. A ``--quick`` run is never merged into a full record, nor a full run into a quick one.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "convert": ("convert_memory.py", [], ["--rounds", "1", "--layers", "4"]),
     "controls": ("controls.py", [], ["--rounds", "1", "--memory-rounds", "1", "--steps", "1"]),
     "mfu": ("mfu.py", [], ["--rounds", "1", "--steps", "2"]),  # reports nothing without a CUDA device
+    "tensor_parallel": ("tensor_parallel_figures.py", [], ["--size", "tiny", "--rounds", "2", "--steps", "1"]),
 }
 
 
@@ -73,6 +79,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Measured {meta['date']} on {meta['cpus']} CPUs (torch {meta['torch']}) with `{meta['command']}`"
         f" in {meta['seconds']:.0f} s. Each figure: median (min-max) of per-round ratios against the baseline run"
         " in the same invocation.",
+        *[f"Rows of {', '.join(f'`{s}`' for s in run['scripts'])} were measured later, {run['date']} on"
+          f" {run['cpus']} CPUs (torch {run['torch']}) with `{run['command']}` in {run['seconds']:.0f} s, and merged"
+          " into this record." for run in meta.get("merged", [])],
         "",
         "| figure | median | min-max | target | met | baseline |",
         "|---|---|---|---|---|---|",
@@ -82,6 +91,35 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['figure']} | {r['median']:.3f} | {r['min']:.3f}-{r['max']:.3f} | {r['target'] or '-'} |"
                      f" {met} | {r['baseline']} |")
     return "\n".join(lines) + "\n"
+
+
+def check_mergeable(record: dict, quick: bool) -> None:
+    """Refuse to mix a --quick run's rows with a full run's (checked before anything runs, and again in ``merge``)."""
+    if bool(record["machine"].get("quick")) != bool(quick):
+        kinds = {True: "a --quick run", False: "a full run"}
+        raise SystemExit(f"[run_all] will not merge {kinds[bool(quick)]} into the record of"
+                         f" {kinds[bool(record['machine'].get('quick'))]}: pass --out to write it elsewhere")
+
+
+def merge(record: dict, rows: list[dict], meta: dict, names: list[str]) -> dict:
+    """The record ``{"machine": ..., "rows": ...}`` with the rows of the scripts ``names`` replaced by ``rows``
+    (measured by a run described by ``meta``), the rows in the order of ``SCRIPTS``. The record's own machine
+    description stays; ``machine["merged"]`` lists each later run whose rows it now holds (an earlier merged run
+    whose scripts were all measured again is dropped)."""
+    check_mergeable(record, meta["quick"])
+    scripts = [SCRIPTS[n][0] for n in names]
+    order = [script for script, _, _ in SCRIPTS.values()]
+    kept = [r for r in record["rows"] if r.get("script") not in scripts]
+    merged_rows = sorted([*kept, *rows],  # a stable sort: each script's rows keep their own order
+                         key=lambda r: order.index(r["script"]) if r.get("script") in order else len(order))
+    machine = dict(record["machine"])
+    earlier = [dict(run, scripts=[s for s in run["scripts"] if s not in scripts]) for run in machine.get("merged", [])]
+    machine["merged"] = [run for run in earlier if run["scripts"]] + [{
+        "scripts": scripts, "date": meta["date"], "cpus": meta["cpus"], "python": meta["python"],
+        "torch": meta["torch"], "cuda": meta["cuda"], "command": meta["command"], "seconds": meta["seconds"],
+        "seconds_per_script": meta["seconds_per_script"],
+    }]
+    return {"machine": machine, "rows": merged_rows}
 
 
 # ------------------------------------------------------------------------------------------------------- plots
@@ -118,8 +156,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
     steps = [r for r in rows if r["figure"].startswith("step time")]
     if steps:
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(steps) + 1.2))
         names = [r["figure"].replace("step time ", "") for r in steps]
+        # Wide enough for the longest label beside a plot of about 3.5 inches.
+        fig, ax = plt.subplots(figsize=(max(7.0, 3.5 + 0.075 * max(map(len, names))), 0.45 * len(steps) + 1.2))
         medians = [r["median"] for r in steps]
         errors = [[m - r["min"] for m, r in zip(medians, steps)], [r["max"] - m for m, r in zip(medians, steps)]]
         ax.barh(names, medians, xerr=errors, color="tab:blue")
@@ -154,7 +193,8 @@ def _save(fig, path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models, one or two rounds: a smoke run")
-    parser.add_argument("--only", help=f"comma-separated subset of: {', '.join(SCRIPTS)}")
+    parser.add_argument("--only", help=f"comma-separated subset of: {', '.join(SCRIPTS)}; their rows are merged into"
+                        " the record already in --out, replacing their old ones")
     parser.add_argument("--out", default=str(HERE.parent / "docs"), help="where the JSON, table and plots go")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(SCRIPTS)
@@ -163,6 +203,10 @@ def main() -> None:
         parser.error(f"--only: unknown {unknown}; choose from {', '.join(SCRIPTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    existing = out / "benchmarks.json"
+    old_record = json.loads(existing.read_text()) if args.only and existing.is_file() else None
+    if old_record is not None:
+        check_mergeable(old_record, args.quick)  # before minutes of measuring, not after
 
     import tempfile
 
@@ -178,12 +222,17 @@ def main() -> None:
     meta["quick"] = args.quick
     meta["seconds"] = time.perf_counter() - start
     meta["seconds_per_script"] = timings
-    (out / "benchmarks.json").write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
+    record = {"machine": meta, "rows": rows}
+    if old_record is not None:
+        record = merge(old_record, rows, meta, names)
+        print(f"[run_all] merged the rows of {', '.join(names)} into {existing}")
+    rows, meta = record["rows"], record["machine"]
+    existing.write_text(json.dumps(record, indent=2))
     (out / "benchmarks-table.md").write_text(markdown(rows, meta))
     pictures = plot(rows, out)
     print(format_table(rows))
-    print(f"[run_all] {len(rows)} figures in {meta['seconds']:.0f} s; wrote {out / 'benchmarks.json'},"
-          f" {out / 'benchmarks-table.md'} and {', '.join(p.name for p in pictures)}")
+    print(f"[run_all] measured in {time.perf_counter() - start:.0f} s; {len(rows)} figures in the record; wrote"
+          f" {existing}, {out / 'benchmarks-table.md'} and {', '.join(p.name for p in pictures)}")
     missed = [r["figure"] for r in rows if r["met"] is False]
     if missed:
         print(f"[run_all] targets missed: {missed}")
