@@ -476,3 +476,43 @@ def test_a_configured_scaler_is_kept_when_translating_lightning_plugins():
     scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
     translated = as_fsdp_precision(MixedPrecision("16-mixed", device="cpu", scaler=scaler))
     assert translated.precision == "16-mixed" and translated.scaler is scaler
+
+
+def test_a_collective_failure_names_only_a_timeout_known_to_be_in_force(monkeypatch):
+    """The message names ``timeout=...`` for a process group this package created with it; for a group the user
+    created (whose timeout the strategy never saw) it speaks of "the process group's timeout" instead."""
+    import types
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_fsdp._base import failures
+    from lightning_fsdp.engine import mesh
+
+    def failure() -> str:
+        with pytest.raises(failures.CollectiveFailure) as caught:
+            with failures.explain_collective_failure("forward"):
+                raise dist.DistError("gloo: connection closed by peer")
+        return str(caught.value)
+
+    monkeypatch.setattr(failures, "_process_group_timeout", None)
+    monkeypatch.setattr(failures, "_suspects", lambda: "rank 1")
+    monkeypatch.setattr(failures, "_reporter", lambda: "rank 0 of 2")
+    failures.remember_timeout(timedelta(seconds=7))
+    assert "timeout=0:00:07" in failure()
+
+    # A group that exists already and was not created here: the strategy's own timeout must not be named.
+    users_group = object()
+    monkeypatch.setattr(mesh, "dist", types.SimpleNamespace(is_initialized=lambda: True,
+                                                            group=types.SimpleNamespace(WORLD=users_group)))
+    monkeypatch.setattr(mesh, "register_exit_handler", lambda **kwargs: None)
+    mesh.init_process_group(None, "gloo", torch.device("cpu"), timedelta(seconds=99))
+    message = failure()
+    assert "timeout=0:" not in message and "bounded by the process group's timeout" in message, message
+
+    # The group this package created, shared by a later Fabric in the same process: its timeout stays named.
+    monkeypatch.setattr(mesh, "_created_group", users_group)
+    failures.remember_timeout(timedelta(seconds=7))
+    mesh.init_process_group(None, "gloo", torch.device("cpu"), timedelta(seconds=99))
+    assert "timeout=0:00:07" in failure()

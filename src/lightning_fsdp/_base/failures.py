@@ -18,11 +18,13 @@ import torch.distributed as dist
 __all__ = ["CollectiveFailure", "explain_collective_failure", "remember_timeout"]
 
 # The default process group's timeout, recorded when the engine creates it: the forward pass is explained from the
-# precision plugin, which has no handle on the strategy's settings.
+# precision plugin, which has no handle on the strategy's settings. None when this package did not create the group
+# (the user's script or an earlier Fabric did): then its timeout is unknown here, and messages do not guess it.
 _process_group_timeout: Optional[timedelta] = None
 
 
 def remember_timeout(timeout: Optional[timedelta]) -> None:
+    """Record the timeout the default process group was created with; ``None`` when it is not known."""
     global _process_group_timeout
     _process_group_timeout = timeout
 
@@ -32,23 +34,23 @@ class CollectiveFailure(RuntimeError):
 
 
 @contextmanager
-def explain_collective_failure(phase: str, timeout: Optional[timedelta] = None) -> Iterator[None]:
+def explain_collective_failure(phase: str) -> Iterator[None]:
     try:
         yield
     except CollectiveFailure:
         raise
     except dist.DistError as err:
-        raise CollectiveFailure(_message(phase, timeout, err)) from err
+        raise CollectiveFailure(_message(phase, err)) from err
     except RuntimeError as err:
         # Some backends (gloo among them) raise plain RuntimeErrors from their transport layer.
         text = str(err)
         if any(mark in text for mark in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out")):
-            raise CollectiveFailure(_message(phase, timeout, err)) from err
+            raise CollectiveFailure(_message(phase, err)) from err
         raise
 
 
-def _message(phase: str, timeout: Optional[timedelta], err: BaseException) -> str:
-    timeout = timeout if timeout is not None else _process_group_timeout
+def _message(phase: str, err: BaseException) -> str:
+    timeout = _process_group_timeout
     limit = f"timeout={timeout}" if timeout is not None else "the process group's timeout"
     return (
         f"A collective in {phase} failed on {_suspects()}, which has most likely died, hung, or run a different"

@@ -140,7 +140,7 @@ class FSDPEngine:
 
     def guard(self, phase: str) -> AbstractContextManager:
         """Re-raise a failed collective inside the block with the rank, the likely cause and the timeout."""
-        return explain_collective_failure(phase, self.timeout)
+        return explain_collective_failure(phase)
 
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if not isinstance(tensor, Tensor) or not _distributed():

@@ -55,13 +55,21 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# The default process group this package created, if any: a later Fabric in the same process shares it and knows its
+# timeout; a group the user created has a timeout this package never saw.
+_created_group: Optional[dist.ProcessGroup] = None
+
+
 def init_process_group(
     cluster: ClusterInfo, backend: str, device: torch.device, timeout: Optional[timedelta]
 ) -> None:
     """Join the default process group unless this process already has one (several Fabric objects in one process
     share it)."""
+    global _created_group
     if dist.is_initialized():
         register_exit_handler()  # the user's group is theirs to destroy; the wait for gloo's workers still helps
+        if dist.group.WORLD is not _created_group:
+            remember_timeout(None)  # the user's group: its timeout is not this strategy's to name
         return
     remember_timeout(timeout)
     os.environ["MASTER_ADDR"] = cluster.main_address
@@ -74,6 +82,7 @@ def init_process_group(
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(backend, rank=cluster.global_rank(), world_size=cluster.world_size(), **kwargs)
+    _created_group = dist.group.WORLD
     register_exit_handler(created=dist.group.WORLD)
 
 
