@@ -21,78 +21,12 @@ from torch.utils.data import DataLoader, Dataset
 from common import full, make_fabric, shared_tmpdir
 from harness import TIMEOUT, assert_close, case, run_cases
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
+from tp_models import GPT, PLAN, SEQ, VOCAB, Block, llama, llama_block
 
 WORLD, TP = 4, 2
 DP = WORLD // TP
-VOCAB, DIM, HEADS, SEQ, BATCH = 64, 32, 4, 8, 2  # BATCH per data-parallel rank
+BATCH = 2  # per data-parallel rank
 ATOL = 1e-5
-
-PLAN = {
-    "blocks.*.attn.q_proj": "colwise", "blocks.*.attn.k_proj": "colwise", "blocks.*.attn.v_proj": "colwise",
-    "blocks.*.attn.o_proj": "rowwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise",
-}
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(DIM, DIM) for _ in range(3))
-        self.o_proj = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds its share of the heads.
-        q, k, v = (p(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(DIM), Attention(), nn.LayerNorm(DIM), MLP()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=False,
-    ))
-
-
-def llama_block() -> type:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
 
 
 def tokens(step: int, dp_rank: int) -> torch.Tensor:
@@ -387,6 +321,49 @@ def llama_state(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+# --- The memory plan's measured side ------------------------------------------------------------------------------
+
+
+@case
+def tracker_peaks_of_the_planned_tensor_parallel_steps():
+    """The steps ``test_tensor_parallel.py`` plans with ``plan_memory``, run for real and measured by torch's
+    ``FSDPMemTracker``, in the steady state (one step first, as the planner plans): the GPT-style model with its plan
+    and the Llama with ``"auto"``. Each rank's peak over two measured steps, and the floor over ranks and steps (gloo's
+    late frees only ever add to a measured peak)."""
+    from lightning_fsdp._base.compat import planner_tools
+    from tp_models import gpt_batch, llama_batch
+
+    tracker_class = planner_tools()[2]
+    out = {}
+    for label, build, policy, plan, batch in (("gpt", GPT, {Block}, PLAN, gpt_batch()),
+                                              ("llama", llama, {llama_block()}, "auto", llama_batch())):
+        fabric = make_fabric(WORLD, auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan)
+        torch.manual_seed(0)
+        module = build()
+        model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters()))
+        args, kwargs = ((), batch) if isinstance(batch, dict) else ((batch,), {})
+
+        def step() -> None:
+            output = model(*args, **kwargs)  # the planner's step: the output's `.loss`, else the sum of the output
+            fabric.backward(output.loss if hasattr(output, "loss") else output.float().sum())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        peaks = []
+        for _ in range(2):
+            tracker = tracker_class(model.module, opt.optimizer)
+            tracker.track_inputs((args, kwargs))
+            with tracker:
+                step()
+            peaks.append(sum(table["Total"] for table in tracker.get_tracker_snapshot("peak").values()))
+        floor = torch.tensor(min(peaks))
+        dist.all_reduce(floor, op=dist.ReduceOp.MIN)
+        sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        out[label] = {"tracker_peak": int(floor), "peaks": peaks, "sharded_param_bytes": sharded}
+    return out
 
 
 # --- Trainer ------------------------------------------------------------------------------------------------------
