@@ -5,8 +5,10 @@ step run for real on N CPU ranks with the same strategy arguments through Fabric
 FSDPMemTracker over a steady-state step (the second), and, as an independent view, the peak RSS (VmHWM) during that
 step above the RSS the process had before the model was built. Prints predicted / measured per configuration.
 
-    .venv/bin/python benchmarks/plan_accuracy.py            # every configuration; ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/plan_accuracy.py            # every configuration; ~2 minutes on 2 cores (before the
+                                                            # two tensor-parallel ones, 35 s of their own)
     .venv/bin/python benchmarks/plan_accuracy.py gpt-2 gpt-2-ac
+    .venv/bin/python benchmarks/plan_accuracy.py gpt-4-tp2 llama-4-tp2   # tensor parallelism, (shard=2, tp=2)
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ CONFIGS: dict[str, tuple[Callable, Callable, int, Callable[[], dict[str, Any]]]]
     "gpt-2-tiny-batch": (gpt, gpt_tiny_batch, 2, lambda: {"auto_wrap_policy": {train_gpt.Block}}),
     "gpt-2-bf16": (gpt, gpt_batch, 2, lambda: {"auto_wrap_policy": {train_gpt.Block}, "precision": "bf16-mixed"}),
     "llama-2": (llama, llama_batch, 2, lambda: {"auto_wrap_policy": _llama_block()}),
+    # Tensor parallelism on (shard=2, tp=2): the example GPT's feed-forward layers split (its attention's fused qkv
+    # cannot be), and the Llama by its own plan.
+    "gpt-4-tp2": (gpt, gpt_batch, 4, lambda: {"auto_wrap_policy": {train_gpt.Block}, "tensor_parallel_size": 2,
+                                              "tensor_parallel_plan": {"blocks.*.mlp.fc": "colwise",
+                                                                       "blocks.*.mlp.proj": "rowwise"}}),
+    "llama-4-tp2": (llama, llama_batch, 4, lambda: {"auto_wrap_policy": _llama_block(), "tensor_parallel_size": 2,
+                                                    "tensor_parallel_plan": "auto"}),
 }
 
 

@@ -16,21 +16,17 @@ from torch.distributed.tensor import DTensor
 
 from common import full, make_fabric, shared_tmpdir
 from harness import assert_close, case, run_cases
-from tp_models import (
+from tp_models import GPT, PLAN, Block, llama, llama_block
+from tp_training import (
     ATOL,
     DP,
-    PLAN,
     TP,
     WORLD,
-    Block,
-    GPT,
     adamw,
     check_peers_saw_the_same_batches,
     compare,
     dp_rank,
     fabric_train,
-    llama,
-    llama_block,
     loss_of,
     reference,
     reference_on,
@@ -256,6 +252,49 @@ def llama_state(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+# --- The memory plan's measured side ------------------------------------------------------------------------------
+
+
+@case
+def tracker_peaks_of_the_planned_tensor_parallel_steps():
+    """The steps ``test_tensor_parallel.py`` plans with ``plan_memory``, run for real and measured by torch's
+    ``FSDPMemTracker``, in the steady state (one step first, as the planner plans): the GPT-style model with its plan
+    and the Llama with ``"auto"``. Each rank's peak over two measured steps, and the floor over ranks and steps (gloo's
+    late frees only ever add to a measured peak)."""
+    from lightning_fsdp._base.compat import planner_tools
+    from tp_models import gpt_batch, llama_batch
+
+    tracker_class = planner_tools()[2]
+    out = {}
+    for label, build, policy, plan, batch in (("gpt", GPT, {Block}, PLAN, gpt_batch()),
+                                              ("llama", llama, {llama_block()}, "auto", llama_batch())):
+        fabric = make_fabric(WORLD, auto_wrap_policy=policy, tensor_parallel_size=TP, tensor_parallel_plan=plan)
+        torch.manual_seed(0)
+        module = build()
+        model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters()))
+        args, kwargs = ((), batch) if isinstance(batch, dict) else ((batch,), {})
+
+        def step() -> None:
+            output = model(*args, **kwargs)  # the planner's step: the output's `.loss`, else the sum of the output
+            fabric.backward(output.loss if hasattr(output, "loss") else output.float().sum())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        peaks = []
+        for _ in range(2):
+            tracker = tracker_class(model.module, opt.optimizer)
+            tracker.track_inputs((args, kwargs))
+            with tracker:
+                step()
+            peaks.append(sum(table["Total"] for table in tracker.get_tracker_snapshot("peak").values()))
+        floor = torch.tensor(min(peaks))
+        dist.all_reduce(floor, op=dist.ReduceOp.MIN)
+        sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        out[label] = {"tracker_peak": int(floor), "peaks": peaks, "sharded_param_bytes": sharded}
+    return out
 
 
 @case

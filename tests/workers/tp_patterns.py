@@ -25,14 +25,12 @@ from common import full, grad_free_forwards, make_fabric
 from harness import TIMEOUT, assert_close, case, run_cases
 from lightning_fsdp._base.compat import WeightAveraging
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
-from tp_models import (
+from tp_models import GPT, PLAN, Block
+from tp_training import (
     ATOL,
     DP,
-    PLAN,
     TP,
     WORLD,
-    Block,
-    GPT,
     adamw,
     check_peers_saw_the_same_batches,
     compare,

@@ -94,6 +94,34 @@ def planner_tools():
     return FakeStore, FakeTensorMode, FSDPMemTracker, (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
 
 
+def real_mesh_dispatch():
+    """What the planner needs to keep a DeviceMesh's rank table real under fake tensors: torch's base class of dispatch
+    modes, the context that steps outside the active ``FakeTensorMode``, and the mesh's rank table itself. Every
+    DeviceMesh sliced, flattened or concatenated from one root shares the root's ``_rank_map`` (a small int tensor),
+    and each new mesh finds this rank's coordinates in it with ``nonzero()`` (``DeviceMesh.__init__`` ->
+    ``_compute_coordinates_from_mesh``), which fake tensors cannot run (see :mod:`lightning_fsdp.planner.real_mesh`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode, unset_fake_temporarily, lambda mesh: mesh._rank_map
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches of sharding propagation and redistribution plans. Their keys hold DeviceMeshes, which
+    compare equal by shape and ranks alone, and their values hold the meshes of the call that filled them, with the
+    names of that call's process groups. The planner runs each plan on a fake process group of its own and destroys it
+    after; without this, the next plan (or the real run after a plan) in the same process gets the destroyed group's
+    meshes back from the cache, and its first collective fails: "Could not resolve the process group registered under
+    the name 3"."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(_redistribute, "clear_redistribute_planner_cache", None)):
+        if clear is not None:
+            clear()
+
+
 def data_dependent_errors() -> tuple[type[Exception], ...]:
     """What fake tensors raise for an operation whose result depends on the data they do not have: a Python value
     (``.item()``, ``if tensor:``) or an output shape (``nonzero()``, boolean masks). The planner names them."""

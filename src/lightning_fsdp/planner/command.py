@@ -3,12 +3,15 @@
 The options carry the strategy's argument names in their YAML spellings: ``--sharding-strategy FULL_SHARD``,
 ``--auto-wrap-policy mypkg.model.Block`` (repeat it, or separate names with commas), ``--device-mesh 2,4``. The
 mapping forms take JSON: ``--activation-checkpointing-policy '{"every": 2, "save_ops": "default"}'``,
-``--reshard-after-forward '{"root": true, "Block": 2}'``.
+``--reshard-after-forward '{"root": true, "Block": 2}'``. Tensor parallelism: ``--tensor-parallel-size 2`` with
+``--tensor-parallel-plan auto``, a JSON mapping (``'{"blocks.*.mlp.up": "colwise"}'``) or ``MODULE:NAME`` naming a
+dict or a callable, as the strategy's ``tensor_parallel_plan`` takes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import json
@@ -60,6 +63,13 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD",
                       help="the 2-D mesh of HYBRID_SHARD: replica groups, then ranks per shard group, e.g. 2,4"
                            " (default: one shard group of all ranks)")
+    plan.add_argument("--tensor-parallel-size", type=_positive_int, metavar="K",
+                      help="ranks per tensor-parallel group, a divisor of --world-size; the mesh becomes (shard, tp)"
+                           " (default: 1, no tensor parallelism)")
+    plan.add_argument("--tensor-parallel-plan", metavar="auto|JSON|MODULE:NAME",
+                      help="what to split over each group: 'auto' (a Hugging Face model's own tp_plan), a JSON mapping"
+                           """ of module-name patterns to styles, e.g. '{"blocks.*.mlp.up": "colwise"}', or a dict or"""
+                           " callable (module, tp_mesh) named as mypkg.plans:PLAN or path/to/file.py:PLAN")
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
                       help="the optimizer whose states are planned: adamw, adam or sgd (default: adamw)")
     plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
@@ -83,9 +93,12 @@ def _run(args: argparse.Namespace) -> int:
         names = [n for value in values for n in value.split(",") if n]
         if names:
             options[name] = names[0] if names == ["auto"] else names
-    for name in ("device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch"):
+    for name in ("device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
+                 "tensor_parallel_size"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if args.tensor_parallel_plan is not None:
+        options["tensor_parallel_plan"] = _tensor_parallel_plan(args.tensor_parallel_plan)
     try:
         # Warnings (a policy that selects nothing) are held back: a failed plan prints its one error line only, a
         # plan that succeeds prints each warning as one line before the plan.
@@ -131,6 +144,36 @@ def _load_callable(spec: str, option: str) -> Callable[[], Any]:
     if not sep or not module_name or not attr:
         raise UsageError(f"{option} {spec!r} is not MODULE:FACTORY. HINT: name a callable, e.g."
                          f" `{option} mypkg.models:build` or `{option} path/to/train.py:build`.")
+    factory = _load_attribute(spec, option)
+    if not callable(factory):
+        raise UsageError(f"{option} {spec!r}: {module_name!r} has no callable {attr!r}. HINT: name a function that"
+                         " takes no arguments, e.g. `def build(): return GPT(config)`.")
+    return factory
+
+
+def _tensor_parallel_plan(text: str) -> Any:
+    """``auto``, a JSON mapping, or a dict or callable named as ``MODULE:NAME`` (as the strategy takes them)."""
+    option = "--tensor-parallel-plan"
+    if text.strip() == "auto":
+        return "auto"
+    if text.lstrip().startswith("{"):
+        return _json(text, "tensor_parallel_plan", """'{"blocks.*.mlp.up": "colwise"}'""")
+    module_name, sep, attr = text.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{option} {text!r} is not 'auto', a JSON mapping or MODULE:NAME. HINT: e.g. {option} auto,"
+                         f""" {option} '{{"blocks.*.mlp.up": "colwise"}}' or {option} path/to/train.py:PLAN.""")
+    plan = _load_attribute(text, option)
+    if not (isinstance(plan, dict) or callable(plan)):
+        what = f"has no {attr!r}" if plan is None else f"holds {attr!r} as {type(plan).__name__}"
+        raise UsageError(f"{option} {text!r}: {module_name!r} {what}; a plan is a dict or a callable. HINT: name a"
+                         """ dict of module-name patterns to styles, e.g. `PLAN = {"blocks.*.mlp.up": "colwise"}`,"""
+                         " or a function `(module, tp_mesh) -> None`.")
+    return plan
+
+
+def _load_attribute(spec: str, option: str) -> Any:
+    """The object ``MODULE:NAME`` (or ``path/to/file.py:NAME``) names; None if the module has no such name."""
+    module_name, _, attr = spec.rpartition(":")
     try:
         if module_name.endswith(".py"):
             module = _load_file(Path(module_name), spec, option)
@@ -148,11 +191,7 @@ def _load_callable(spec: str, option: str) -> Callable[[], Any]:
         raise
     except Exception as err:  # a SyntaxError, or whatever the module's own top level raised
         raise UsageError(_import_failed(spec, option, err)) from err
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"{option} {spec!r}: {module_name!r} has no callable {attr!r}. HINT: name a function that"
-                         " takes no arguments, e.g. `def build(): return GPT(config)`.")
-    return factory
+    return getattr(module, attr, None)
 
 
 def _load_file(path: Path, spec: str, option: str) -> Any:
@@ -232,12 +271,12 @@ def _mesh(text: str) -> tuple[int, int]:
     return replicate, shard
 
 
-def _json(text: str, name: str) -> Any:
+def _json(text: str, name: str, example: str = """'{"every": 2, "save_ops": "default"}'""") -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise UsageError(f"--{name.replace('_', '-')} {text!r} is not valid JSON ({err}). HINT: quote keys and strings"
-                         """ with double quotes, e.g. '{"every": 2, "save_ops": "default"}'.""") from None
+                         f" with double quotes, e.g. {example}.") from None
 
 
 def _reshard(text: str) -> Any:
@@ -264,9 +303,19 @@ def _as_option_message(message: str) -> str:
     """The library's messages name arguments as in Python (`auto_wrap_policy=...`); name the option as typed."""
     for name in ("sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "device_mesh",
                  "precision", "world_size", "num_nodes", "optimizer", "reshard_after_forward", "forward_prefetch",
-                 "backward_prefetch"):
+                 "backward_prefetch", "tensor_parallel_size", "tensor_parallel_plan"):
         option = f"--{name.replace('_', '-')}"
         message = message.replace(f"`{name}=", f"`{option} ")
         # A fix written for Python (`Fabric(precision='bf16-mixed')`) becomes the option that does it.
         message = re.sub(rf"`(?:Fabric|Trainer|FSDPStrategy)\({name}=([^`]*)\)`", rf"`{option} \1`", message)
-    return message
+    # A mapping written for Python (`--tensor-parallel-plan {'blocks.*.up': 'colwise'}`) becomes the quoted JSON the
+    # option takes.
+    return re.sub(r"`(--[a-z-]+) (\{[^`]*\})`", _as_shell_json, message)
+
+
+def _as_shell_json(match: re.Match) -> str:
+    try:
+        value = ast.literal_eval(match.group(2))
+    except (ValueError, SyntaxError):
+        return match.group(0)
+    return f"`{match.group(1)} '{json.dumps(value)}'`"

@@ -16,7 +16,8 @@ __all__ = ["plan_memory", "MemoryPlan", "STRATEGY_OPTIONS", "MAX_WORLD_SIZE"]
 # The strategy arguments a plan takes, with the names and spellings of `FSDPStrategy` (and the YAML).
 STRATEGY_OPTIONS = (
     "sharding_strategy", "auto_wrap_policy", "activation_checkpointing_policy", "cpu_offload", "mixed_precision",
-    "device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch",
+    "device_mesh", "reshard_after_forward", "forward_prefetch", "backward_prefetch", "tensor_parallel_size",
+    "tensor_parallel_plan",
 )
 
 # The largest world the planner takes. Only ranks 0 and the last are planned, and nothing of the planner's own grows
@@ -50,6 +51,12 @@ class MemoryPlan:
     @property
     def cpu_offload(self) -> bool:
         return bool(self.settings.get("cpu_offload"))
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The planned mesh's axes and their sizes: ``{"shard": 4}``, ``{"replicate": 2, "shard": 4}``, or with
+        tensor parallelism ``{"shard": 2, "tp": 2}``."""
+        return self.ranks[min(self.ranks)].mesh
 
     @property
     def peak_bytes(self) -> dict[int, int]:
@@ -88,6 +95,7 @@ class MemoryPlan:
         return {
             "peak_bytes": {str(r): b for r, b in self.peak_bytes.items()},
             "world_size": self.world_size,
+            "mesh": self.mesh,
             "settings": {k: _jsonable(v) for k, v in self.settings.items()},
             "planned_ranks": self.planned_ranks,
             "breakdown": self.breakdown(min(self.ranks)),
@@ -101,7 +109,10 @@ class MemoryPlan:
         rank = min(self.ranks)
         stats = self.ranks[rank]
         shown = ", ".join(f"{k}={_jsonable(v)}" for k, v in self.settings.items() if v not in (None, False))
-        lines = [f"Memory plan for one training step on {self.world_size} rank(s): {shown}", ""]
+        on = f"{self.world_size} rank(s)"
+        if "tp" in self.mesh:  # the tensor-parallel axis changes what a rank holds: name the mesh
+            on += " as a (" + ", ".join(f"{axis}={size}" for axis, size in self.mesh.items()) + ") mesh"
+        lines = [f"Memory plan for one training step on {on}: {shown}", ""]
         width = max(len(k) for k in self.breakdown(rank))
         lines += [f"  {k:<{width}}  {_human(v):>10}" for k, v in self.breakdown(rank).items()]
         where = stats.peak_phase
@@ -148,7 +159,9 @@ def plan_memory(
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (with momentum).
         **strategy_options: ``FSDPStrategy``'s own arguments: ``sharding_strategy``, ``auto_wrap_policy``,
             ``activation_checkpointing_policy``, ``cpu_offload``, ``mixed_precision``, ``device_mesh``,
-            ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch``.
+            ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch``, ``tensor_parallel_size`` and
+            ``tensor_parallel_plan`` (the mesh becomes ``(shard, tp)``, and each rank's plan holds its pieces of the
+            split layers: see ``docs/guides/tensor-parallel.md``).
 
     Call it before launching (it runs on a process group of its own, with the planned world size).
     """
@@ -174,6 +187,15 @@ def _check(world_size: Any, num_nodes: Any, precision: Any, optimizer: Any, opti
         raise ValueError(bad_argument("num_nodes", num_nodes, f"a divisor of world_size={world_size}",
                                       "Pass the number of nodes the ranks are spread over."))
     FSDPPrecision(precision)  # raises the precision error of the strategy
+    tp = options.get("tensor_parallel_size", 1)
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 and world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+        raise ValueError(bad_argument(
+            "tensor_parallel_size", tp, f"a divisor of world_size={world_size}: {shown}",
+            f"Pass e.g. `tensor_parallel_size={max(d for d in divisors if d <= tp)}`, or plan a world the groups"
+            f" fill, e.g. `world_size={-(-world_size // tp) * tp}`.",
+            problem=f"{world_size} ranks cannot form tensor-parallel groups of {tp}"))
     if optimizer not in OPTIMIZERS:
         raise ValueError(bad_argument("optimizer", optimizer, ", ".join(map(repr, OPTIMIZERS)),
                                       "Pick the optimizer family closest to yours, e.g. `optimizer='adamw'`."))

@@ -25,19 +25,20 @@ import os
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fsdp._base.compat import data_dependent_errors, planner_tools
+from lightning_fsdp._base.compat import clear_dtensor_caches, data_dependent_errors, planner_tools
 from lightning_fsdp.engine.config import FSDPConfig
-from lightning_fsdp.engine.mesh import build_mesh
+from lightning_fsdp.engine.mesh import build_mesh, tensor_parallel_mesh
 from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.engine.sharding import shard_model
+from lightning_fsdp.planner.real_mesh import RealMeshIndices
 
 __all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS", "PlanningError"]
 
@@ -141,6 +142,7 @@ class StepStats:
     peak_phase: str  # "forward", "backward" or "optimizer step"
     peak_unit: str
     optimizer: str = ""  # set when the model chose it: a LightningModule's `configure_optimizers`
+    mesh: dict[str, int] = field(default_factory=dict)  # the planned mesh's axes and sizes, e.g. {"shard": 2, "tp": 2}
 
 
 def run_step(
@@ -155,7 +157,11 @@ def run_step(
         # FSDP's note on root outputs that are views concerns in-place use of the output; the planner makes none.
         warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
         mesh = build_mesh(config, device, world_size, num_nodes)
-        with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        tensor_parallel = tensor_parallel_mesh(mesh) is not None
+        # Tensor parallelism makes meshes inside the fake step, whose rank table must stay real (see `real_mesh`).
+        # Only then: the dispatch mode sees every op, which costs a plan without it about a tenth more time.
+        real_mesh = RealMeshIndices(mesh) if tensor_parallel else nullcontext()
+        with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=True) as mode, real_mesh:
             module = _fake_model(model, mode)
             lightning_module = is_lightning_module(module)
             if lightning_module:
@@ -164,20 +170,32 @@ def run_step(
             sharded = shard_model(module, config, mesh, device,
                                   config.mixed_precision or plugin.mixed_precision_policy(), harness=lightning_module)
             opt = _lightning_optimizer(module) if lightning_module else OPTIMIZERS[optimizer](module.parameters())
-            _create_optimizer_state(opt)
             fake_batch = _fake_batch(batch, mode)
             args, kwargs = ((fake_batch, 0), {}) if lightning_module else _as_call(fake_batch)
-            tracker = FSDPMemTracker(_tracked_root(sharded.roots, module), opt)
-            tracker.track_inputs((args, kwargs))
-            with tracker:
-                # A LightningModule's step is its `training_step`, as the Trainer runs it (the strategy shards it as a
-                # harness, the same as the Trainer front does); any other module's step is its forward.
-                step = module.training_step if lightning_module else module
+            # A LightningModule's step is its `training_step`, as the Trainer runs it (the strategy shards it as a
+            # harness, the same as the Trainer front does); any other module's step is its forward.
+            step = module.training_step if lightning_module else module
+
+            def forward_backward() -> None:
                 with plugin.forward_context(), _running("training_step" if lightning_module else "forward"):
                     output = step(*plugin.convert_input(args), **plugin.convert_input(kwargs))
                 loss = _loss_of(output)
                 with _running("backward"):
                     loss.backward()
+
+            if tensor_parallel:
+                # The steady state of a tensor-parallel step: DTensor caches the sharding of each op it has seen
+                # once, and the first step's propagation allocates tensors of the ops' global shapes that no later
+                # step does. One whole step before the tracked one, as in training.
+                forward_backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                _create_optimizer_state(opt)
+            tracker = FSDPMemTracker(_tracked_root(sharded.roots, module), opt)
+            tracker.track_inputs((args, kwargs))
+            with tracker:
+                forward_backward()
                 before_step = tracker.get_tracker_snapshot("peak")
                 opt.step()
                 after = tracker.get_tracker_snapshot("current")  # params, grads and optimizer state at rest
@@ -188,7 +206,7 @@ def run_step(
     phase, unit = _where(peak_dev["Total"], _one_device(before_step)["Total"], units)
     return StepStats(
         peak_bytes=peak_dev["Total"], peak=_categories(peak_dev), after_step=_categories(_one_device(after)),
-        units=units, peak_phase=phase, peak_unit=unit,
+        units=units, peak_phase=phase, peak_unit=unit, mesh=dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
         optimizer=f"{type(opt).__name__} from configure_optimizers" if lightning_module else "",
     )
 
@@ -260,11 +278,13 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
             " launching, e.g. in the script that calls `fabric.launch()`, before that call, or run"
             " `lightning-fsdp plan ...` from a shell."
         )
+    clear_dtensor_caches()  # each plan's meshes are its own: no cached DTensor sharding may point at another world
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 def _fake_model(source: ModelSource, mode: FakeTensorMode) -> nn.Module:
