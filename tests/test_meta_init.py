@@ -17,6 +17,8 @@ CASES = [
     "param_init_fn_replaces_the_initializers",
     "litgpt_activation_checkpointing_parity",
     "trainer_configure_model_builds_hf_under_empty_init",
+    "hf_llama_under_tensor_parallel_matches_its_own_construction_and_trains_like_one_process",
+    "litgpt_under_tensor_parallel_matches_its_own_construction_and_trains_like_one_process",
 ]
 
 results, test_case = case_tests("meta_init.py", 2, CASES)

@@ -27,6 +27,7 @@ CASES = [
     "meta_device_init_splits_pieces_and_keeps_copies_equal",
     "activation_checkpointing_and_accumulation_without_sync_match_one_process",
     "bf16_mixed_precision_trains",
+    "bf16_true_precision_trains_like_one_process_in_bf16",
     "hugging_face_safetensors_load_straight_into_the_2d_shards",
     "trainer_gpt_with_an_explicit_plan_matches_one_process_and_tp_peers_share_batches",
     "trainer_hugging_face_llama_with_its_own_plan_matches_one_process",
@@ -57,6 +58,18 @@ def test_the_2x2_checkpoint_converts_to_one_full_file_in_one_process(results, tm
     assert sorted(weights) == sorted(expected)
     for name, tensor in expected.items():
         assert type(weights[name]) is torch.Tensor and torch.equal(weights[name], tensor), name
+
+
+def test_the_2x2_checkpoint_exports_to_hugging_face_safetensors_in_one_process(results, tmp_path):
+    """The Hugging Face export of a checkpoint saved under TP: the plain tensors, every one equal."""
+    from safetensors.torch import load_file
+
+    saved = _saved(results)
+    exported = load_file(str(convert(saved / "checkpoint", tmp_path / "model.safetensors", to="safetensors")))
+    expected = torch.load(saved / "weights.pt", weights_only=True)
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 # --- The memory plan of a tensor-parallel step ----------------------------------------------------------------------

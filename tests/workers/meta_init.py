@@ -284,6 +284,63 @@ def param_init_fn_replaces_the_initializers():
     return report
 
 
+# --- under tensor parallelism: (shard=1, tp=2) on the 2 ranks ------------------------------------------------------
+
+# litgpt models carry no plan of their own: split the MLP (its attention's q, k and v are one fused Linear).
+LITGPT_TP_PLAN = {"transformer.h.*.mlp.fc": "colwise", "transformer.h.*.mlp.proj": "rowwise"}
+
+
+def _logits(output):
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _tensor_parallel_empty_init(build, policy, plan) -> dict:
+    """Empty init split over a tensor-parallel group of 2: the same distribution as construction (the split
+    pieces each drawn on their own, what TP replicates equal on both ranks), then two steps from that start match one
+    process started from the same weights (both ranks are one group and see the same batch)."""
+    fabric = make_fabric(WORLD, auto_wrap_policy=policy, tensor_parallel_size=2, tensor_parallel_plan=plan)
+    with fabric.init_module(empty_init=True):
+        module = build()
+    model = fabric.setup_module(module)
+    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor)
+             and "tp" in (p.device_mesh.mesh_dim_names or ()) and p.placements[-1].is_shard()]
+    assert split, "the plan split nothing"
+    params = dict(model.named_parameters())
+    for name in split:  # each rank's piece drawn on its own: one seed for both would repeat the piece
+        local = params[name].to_local().detach().contiguous()
+        pieces = [torch.empty_like(local) for _ in range(WORLD)]
+        torch.distributed.all_gather(pieces, local)
+        assert not torch.equal(pieces[0], pieces[1]) or not local.abs().sum(), f"{name}: both ranks drew one piece"
+    report = compare_with_construction(model.module, build)
+    start = {k: full(v).detach().clone() for k, v in model.module.state_dict().items()}
+    reference = build()
+    reference.load_state_dict(start)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-4)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(step))
+        for net, optimizer, backward in ((model, opt, fabric.backward), (reference, ref_opt, torch.Tensor.backward)):
+            logits = _logits(net(ids[:, :-1]))
+            backward(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1)))
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = reference.state_dict()
+    diff = max(assert_close(full(v), expected[k], ATOL, k) for k, v in model.module.state_dict().items())
+    return {**report, "split": len(split), "max_param_diff_after_two_steps": diff}
+
+
+@case
+def hf_llama_under_tensor_parallel_matches_its_own_construction_and_trains_like_one_process():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return _tensor_parallel_empty_init(lambda: LlamaForCausalLM(llama_config(tie=False)), {LlamaDecoderLayer}, "auto")
+
+
+@case
+def litgpt_under_tensor_parallel_matches_its_own_construction_and_trains_like_one_process():
+    return _tensor_parallel_empty_init(lambda: GPT(litgpt_config()), {Block}, LITGPT_TP_PLAN)
+
+
 # --- activation checkpointing on litgpt ---------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from tp_training import (
     compare,
     dp_rank,
     fabric_train,
+    global_tokens,
     loss_of,
     reference,
     reference_on,
@@ -218,6 +219,36 @@ def bf16_mixed_precision_trains():
         losses.append(loss.item())
     assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0], losses
     return {"losses": losses}
+
+
+@case
+def bf16_true_precision_trains_like_one_process_in_bf16():
+    """``bf16-true``: the split and the replicated parameters are bf16 DTensors, and three steps track one process
+    trained in bf16 on the same global batches, within bf16's rounding (its 8-bit mantissa: about 4e-3 relative)."""
+    fabric = make_fabric(WORLD, precision="bf16-true", auto_wrap_policy={Block}, tensor_parallel_size=TP,
+                         tensor_parallel_plan=PLAN)
+    torch.manual_seed(0)
+    module = GPT()
+    reference = GPT().to(torch.bfloat16)
+    reference.load_state_dict(module.state_dict())
+    model, opt = fabric.setup(module, adamw(module.parameters()))
+    dtypes = {p.dtype for p in model.parameters()}
+    assert dtypes == {torch.bfloat16} and two_d_params(model) == 24, (dtypes, two_d_params(model))
+    ref_opt = adamw(reference.parameters())
+    losses, ref_losses = [], []
+    for step in range(3):
+        loss = loss_of(model, tokens(step, dp_rank()))
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach().float(), reduce_op="mean").item())
+        ref_loss = loss_of(reference, global_tokens(step))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    return {"losses": losses, "reference_losses": ref_losses}
 
 
 @case
