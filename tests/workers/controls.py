@@ -13,7 +13,6 @@ import os
 from collections import Counter
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -8,9 +8,6 @@ unexpected keys (or the error) must be the ones torch reports for the reference.
 
 from __future__ import annotations
 
-import copy
-import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import lightning_fsdp
-from common import full, full_params, make_fabric
+from common import full_params, make_fabric
 from harness import TIMEOUT, case, rank, run_cases
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
 

@@ -29,7 +29,6 @@ averaging_case = case if WeightAveraging is not None else (lambda fn: fn)
 from models import TinyTransformer
 from trainer_common import (
     ATOL,
-    SAMPLES,
     WORLD,
     LitGPT,
     assert_trained,
