@@ -20,6 +20,7 @@ from tp_models import GPT, PLAN, Block, gpt_batch, llama, llama_batch, llama_blo
 CASES = [
     "fabric_gpt_with_an_explicit_plan_matches_one_process",
     "fabric_hugging_face_llama_with_its_own_plan_matches_one_process",
+    "hybrid_sharding_with_tensor_parallel_matches_one_process",
     "clipping_takes_the_norm_over_both_mesh_axes",
     "a_bad_plan_is_one_clear_error_before_any_weight_moves",
     "a_tensor_parallel_size_that_does_not_divide_the_world_is_refused",

@@ -57,6 +57,20 @@ def fabric_hugging_face_llama_with_its_own_plan_matches_one_process():
 
 
 @case
+def hybrid_sharding_with_tensor_parallel_matches_one_process():
+    """``HYBRID_SHARD`` with ``device_mesh=(2, 1)`` and ``tensor_parallel_size=2``: a (replicate=2, shard=1, tp=2) mesh.
+    The two replicas are the data-parallel ranks, gradients are all-reduced across them, and training matches one
+    process."""
+    fabric, model, _, losses, _ = fabric_train(GPT, {Block}, PLAN, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 1))
+    mesh = fabric.strategy.device_mesh
+    assert mesh.mesh_dim_names == ("replicate", "shard", "tp") and tuple(mesh.shape) == (2, 1, 2), mesh
+    ref, ref_losses, _ = reference(GPT, 3)
+    assert two_d_params(model) == 24, two_d_params(model)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
+    return compare(model, ref, "hybrid gpt")
+
+
+@case
 def clipping_takes_the_norm_over_both_mesh_axes():
     _, model, _, _, norms = fabric_train(GPT, {Block}, PLAN, max_norm=0.05)
     ref, _, ref_norms = reference(GPT, 3, max_norm=0.05)
