@@ -32,4 +32,8 @@ CASES = [
 ]
 
 
-results, test_case = case_tests("full_state_load.py", 2, CASES)
+# A launch of its own: on Lightning 2.5.6 (CI's oldest-lightning leg), after these cases have run in the 2-rank pool's
+# process, the pool's compiled Trainer case (`trainer_checkpoints.py::compiled_model_checkpoint_has_clean_keys`) dies
+# in dynamo's guard building with an IndexError, even with dynamo reset between scripts, and takes the pool's
+# process group with it. Found by bisecting the pool; the interaction itself is not yet understood.
+results, test_case = case_tests("full_state_load.py", 2, CASES, pooled=False)
