@@ -38,8 +38,13 @@ __all__ = ["reshard_all", "reshard_after_grad_free_forwards", "reshard_before_st
 _GUARDED = "_lightning_fsdp_reshard_guard"  # marks modules and optimizers that already carry the hooks
 
 
+@torch.compiler.disable  # eager bookkeeping: never traced into a user's compiled forward (see below)
 def reshard_all(module: nn.Module) -> None:
     """Put every unit of ``module`` back into its sharded state (a cheap no-op for units that already are).
+
+    Called from a root's forward hook, it runs inside the compiled region when the user compiles the model; traced
+    there, dynamo guarded on FSDP's own state as ``reshard()`` changed it, and on Lightning 2.5.6 building those
+    guards failed with an IndexError in a compiled Trainer validation.
 
     ``FSDPModule.reshard()`` outside forward always goes all the way back to the full-world shards, also for units
     that ``reshard_after_forward=<int>`` left on a smaller group: those are not the parameters the optimizer holds
