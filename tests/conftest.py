@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -13,6 +14,23 @@ import launch
 def pytest_collection_finish(session):
     """Tell the launch pools which test modules have selected tests (see ``launch.pooled_launch``)."""
     launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest cases inside launches: ``--durations`` shows a launch's cost on the test that started it."""
+    timed = []
+    for out in launch.LAUNCHED:
+        for path in out.glob("*.rank0.json"):
+            try:
+                seconds = json.loads(path.read_text()).get("seconds")
+            except (OSError, ValueError):
+                continue
+            if seconds is not None:
+                timed.append((seconds, f"{out.name}::{path.name[:-len('.rank0.json')]}"))
+    if timed:
+        terminalreporter.write_sep("=", "slowest 15 cases inside launches (rank 0)")
+        for seconds, name in sorted(timed, reverse=True)[:15]:
+            terminalreporter.write_line(f"{seconds:7.2f}s {name}")
 
 
 @pytest.fixture()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
+
 WORKERS = Path(__file__).parent / "workers"
 LAUNCH_TIMEOUT_S = 900
 
@@ -26,7 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(out: Path, **extra: str) -> dict[str, str]:
+def worker_env(out: Path, *, forked: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a launch's processes: torchrun forks its ranks from warm servers (``tests/forkserver``).
+    ``forked=False`` for a launch whose ranks must be real processes (see CONTRIBUTING.md, "Forked or real
+    processes"); torchrun itself is forked either way, as :func:`torchrun` says."""
     env = dict(os.environ)
     env.update(
         LFSDP_TEST_OUT=str(out),
@@ -37,17 +42,26 @@ def worker_env(out: Path, **extra: str) -> dict[str, str]:
         # On an abort, Python prints every thread's stack: the only clue to which thread ends a process at exit.
         PYTHONFAULTHANDLER="1",
     )
+    env.update(forkserver.env(ranks=forked))
     env.update(extra)
     return env
 
 
-def torchrun(script: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+def torchrun(script: str, nproc: int, *, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
+             forked: bool = True) -> list[str]:
+    """torchrun's command. torchrun itself is forked from a warm server (where the launch's environment has one):
+    no test is about torchrun's own process, and a launch that must have real ranks says so in
+    :func:`worker_env`. ``forked=False`` runs it as a real process."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        forkserver.python() if forked else sys.executable, "-m", "torch.distributed.run",
         f"--nproc_per_node={nproc}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
         "--master_addr=127.0.0.1", f"--master_port={port or free_port()}",
         str(WORKERS / script),
     ]
+
+
+# Every launch's results folder, for the summary of the slowest cases (conftest.py).
+LAUNCHED: set[Path] = set()
 
 
 @dataclass
@@ -59,6 +73,9 @@ class Launch:
     # not enough: a rank that crashes at exit, after its last result file, makes torchrun exit non-zero, and a
     # user's script, CI and the benchmarks would see that exit code.
     returncode: int | None = None
+
+    def __post_init__(self):
+        LAUNCHED.add(self.out)
 
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"

@@ -19,7 +19,7 @@ LAUNCHES = 8
 
 def test_every_launch_exits_zero(tmp_path):
     outs = [tmp_path / f"launch{i}" for i in range(LAUNCHES)]
-    procs = [subprocess.Popen(torchrun("clean_exit.py", 2), env=worker_env(out), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(torchrun("clean_exit.py", 2), env=worker_env(out, forked=False), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for out in outs]
     logs = [proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for proc in procs]
     failures = []
@@ -39,7 +39,7 @@ def test_a_collective_unfinished_at_exit_still_exits_zero(tmp_path):
     every launch tried (4 of 4)."""
     for i in range(IN_FLIGHT_LAUNCHES):
         out = tmp_path / f"launch{i}"
-        proc = subprocess.run(torchrun("exit_in_flight.py", 2), env=worker_env(out), capture_output=True, text=True,
+        proc = subprocess.run(torchrun("exit_in_flight.py", 2), env=worker_env(out, forked=False), capture_output=True, text=True,
                               timeout=LAUNCH_TIMEOUT_S)
         launch = Launch(out=out, world_size=2, log=proc.stdout + proc.stderr, returncode=proc.returncode)
         details = launch.check("leave_an_all_reduce_in_flight_at_exit")

@@ -2,10 +2,10 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
+import forkserver
 from launch import WORKERS, free_port, worker_env
 
 TIMEOUT_S = 5.0
@@ -21,7 +21,7 @@ def _start(mode: str, tmp_path):
             GROUP_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
         )
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKERS / "dead_rank.py")], env=env,
+            [forkserver.python(), str(WORKERS / "dead_rank.py")], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     return procs

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import forkserver
 from doc_snippets import ROOT, all_snippets, documents, parse
 from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
 
@@ -30,7 +31,7 @@ def _run(snippets, nproc: int, tmp: Path) -> Launch:
     out = tmp / "out"
     env = worker_env(out, LFSDP_SNIPPETS=str(listing), PYTHONWARNINGS="ignore")
     script = str(Path(__file__).parent / "workers" / "doc_snippets.py")
-    command = torchrun("doc_snippets.py", nproc) if nproc > 1 else [sys.executable, script]
+    command = torchrun("doc_snippets.py", nproc) if nproc > 1 else [forkserver.python(), script]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     return Launch(out=out, world_size=nproc, log=proc.stdout + proc.stderr, returncode=proc.returncode)
 
@@ -69,9 +70,9 @@ def test_yaml_snippet_trains(snippet, tmp_path):
     report = tmp_path / "report"
     workers = str(Path(__file__).parent / "workers")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LFSDP_YAML_REPORT=str(report),
-               PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])), **forkserver.env())
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
+        [forkserver.python(), str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
          "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
          "--trainer.callbacks+=yaml_report.StrategyReport"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
@@ -285,8 +286,8 @@ def test_readme_fabric_snippet_runs_as_python_train_py(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "TORCHELASTIC_RUN_ID"}}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    proc = subprocess.Popen([forkserver.python(), "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TRAIN_PY_TIMEOUT_S)

@@ -1,11 +1,13 @@
 """`examples/finetune_hf.py` run end to end as a user would (2 CPU processes): pretrained safetensors in, a
 fine-tune, an export that `from_pretrained` reads back as exactly the fine-tuned weights."""
 
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import forkserver
 
 pytest.importorskip("transformers")
 
@@ -13,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_finetune_hf_example(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--out", str(tmp_path / "run"),
-                           "--steps", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **forkserver.env())
+    proc = subprocess.run([forkserver.python(), str(ROOT / "examples" / "finetune_hf.py"), "--out",
+                           str(tmp_path / "run"), "--steps", "3"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "loaded" in output and "into 2 shards" in output, output[-3000:]

@@ -3,10 +3,11 @@
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import forkserver
 
 from lightning_fsdp._base.compat import WeightAveraging
 
@@ -23,10 +24,10 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
     ],
 )
 def test_pattern_example_runs(script, expected, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
     # Its own session: Fabric starts the second rank as a child, and a timeout must end both, not leave that rank
     # holding the output pipe open.
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, env=env, text=True,
+    proc = subprocess.Popen([forkserver.python(), str(EXAMPLES / script)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=600)

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from launch import free_port
 
 LITGPT = Path(__file__).parent / "litgpt"
@@ -75,12 +76,13 @@ def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str,
         PYTHONWARNINGS="ignore",
         LITGPT_AS_USER_STRATEGY=how,
         PYTHONFAULTHANDLER="1",  # an abort prints every thread's stack: the only clue to which thread ends a process
+        **forkserver.env(),  # every process of the run is forked from a warm server: see tests/forkserver
         **(env or {}),
     )
     if how == "single":
-        cmd = [sys.executable, "-m", "litgpt", command, *args, "--devices", "1"]
+        cmd = [forkserver.python(), "-m", "litgpt", command, *args, "--devices", "1"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        cmd = [forkserver.python(), "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(AS_USER), command, *args, "--devices", "2"]
     proc = subprocess.run(cmd, env=environ, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forkserver
 from launch import WORKERS, free_port, worker_env
 
 PG_TIMEOUT_S = "20"
@@ -39,7 +39,7 @@ def run_ranks(script: str, env: dict[str, str], world: int = 2) -> tuple[list[in
     for rank in range(world):
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
                         GROUP_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / script)], env=rank_env,
+        procs.append(subprocess.Popen([forkserver.python(), str(WORKERS / script)], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return _wait(procs)
 
@@ -131,7 +131,7 @@ def test_torchrun_restarts_after_kills(tmp_path, reference):
     # `--standalone` (c10d rendezvous on a free port): each restart rendezvouses in a fresh round. With the static
     # `--master_addr/--master_port` rendezvous, torch reuses the first attempt's store, and the restarted ranks'
     # gloo connects to the dead ranks' stale addresses ("connectFullMesh failed ... Connection refused").
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+    cmd = [forkserver.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
            "--monitor-interval=0.2", str(WORKERS / "preempt_train.py")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_LIMIT_S * 2)
     log = proc.stdout + proc.stderr

@@ -12,12 +12,12 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forkserver
 from launch import WORKERS, free_port, torchrun, worker_env
 from test_preemption import LAUNCH_LIMIT_S, PG_TIMEOUT_S, _wait, assert_same_weights
 
@@ -44,7 +44,7 @@ def srun(root: Path, **extra: str) -> tuple[list[int], str]:
                    SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
                    SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PATH=f"{root / 'bin'}{os.pathsep}{env['PATH']}")
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "preempt_trainer.py")], env=env,
+        procs.append(subprocess.Popen([forkserver.python(), str(WORKERS / "preempt_trainer.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return _wait(procs)
 

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import forkserver
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -125,10 +127,10 @@ def test_bad_yaml_value_fails_with_the_python_message(tmp_path, capsys, override
 def test_cli_trains_from_a_config_on_two_processes(tmp_path):
     # Lightning's own launcher starts the second process by running the script again.
     command = [
-        sys.executable, str(EXAMPLE), "fit", "--config", str(CONFIGS / "fsdp_cpu.yaml"), "--trainer.max_steps=6",
+        forkserver.python(), str(EXAMPLE), "fit", "--config", str(CONFIGS / "fsdp_cpu.yaml"), "--trainer.max_steps=6",
         "--trainer.val_check_interval=3", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

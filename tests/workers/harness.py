@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -52,10 +53,13 @@ def run_cases() -> None:
         if only and fn.__name__ not in only:
             continue
         before = isolation.snapshot()
+        started = time.perf_counter()
         try:
             record = {"ok": True, "details": _jsonable(fn())}
         except BaseException:  # noqa: BLE001 - the traceback goes to the pytest side
             record = {"ok": False, "error": traceback.format_exc()}
+        # What the case cost inside its launch: pytest sees only the launch (conftest.py lists the slowest cases).
+        record["seconds"] = round(time.perf_counter() - started, 3)
         left = isolation.leaks(before)
         if left:
             message = f"case {fn.__name__} leaked state into the cases after it:\n  " + "\n  ".join(left)

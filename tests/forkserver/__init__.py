@@ -1,0 +1,93 @@
+"""Warm Python processes for the test suite's launches: a new rank costs milliseconds instead of seconds of imports.
+
+Most of a small launch is start-up: every rank, and torchrun itself, imports torch and Lightning (3-4 s each on the
+2-core reference machine). Here a server (``server.py``) imports them once and forks a process per request; a
+client (``client.py``, started as the ``python`` shim :func:`python` returns) stands in for each forked process, so
+that torchrun, and the test, see an ordinary child: its exit code, its signals, its output.
+
+The pytest side uses it through ``tests/launch.py``: :func:`env` adds the variables that route torchrun and its
+ranks through the shim. Which processes may be forked, and which must be real, is said in CONTRIBUTING.md ("Forked
+or real processes"). ``LFSDP_TEST_FORKSERVER=0`` turns it off for a run: every launch then starts real processes.
+
+Servers start on demand, one per environment that fits (each rank's own, since Lightning reads ``RANK`` at import),
+and stop with this pytest process (:func:`stop`, and each server also watches its owner).
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+_DIR: str | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get("LFSDP_TEST_FORKSERVER", "1") != "0" and sys.platform == "linux"
+
+
+def directory() -> str:
+    """The servers' folder, made at first use. Short, because a socket path must fit in 107 bytes."""
+    global _DIR
+    if _DIR is None:
+        _DIR = tempfile.mkdtemp(prefix="lfsdp-fs-", dir="/tmp")
+        # Python itself, not a shell: a shell would export its own idea of PWD, which imports read.
+        (Path(_DIR) / "python").write_text(
+            f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(HERE)!r})\nimport client\nclient.main()\n"
+        )
+        os.chmod(Path(_DIR) / "python", 0o755)
+        atexit.register(stop)
+    return _DIR
+
+
+def python() -> str:
+    """The ``python`` to start a forkable process with: ``[python(), ARGS...]`` runs like ``[sys.executable, ARGS...]``."""
+    return str(Path(directory()) / "python") if enabled() else sys.executable
+
+
+def env(ranks: bool = True) -> dict[str, str]:
+    """Variables for a process started with :func:`python`: where the servers are. With ``ranks``, torchrun's ranks
+    are forked too (torchrun starts them with ``$PYTHON_EXEC``); without, they are real processes. Any process a
+    forked one starts with ``sys.executable`` is forked as well, where its environment fits a server."""
+    if not enabled():
+        return {}
+    # A forked process's sys.executable is the shim, so torchrun's ranks need a real one named to be real.
+    return {"LFSDP_FORKSERVER_DIR": directory(), "LFSDP_FORKSERVER_OWNER": str(os.getpid()),
+            "PYTHON_EXEC": python() if ranks else sys.executable}
+
+
+def stop() -> None:
+    """Stop every server and remove their folder."""
+    global _DIR
+    if _DIR is None:
+        return
+    pids = []
+    for path in glob.glob(os.path.join(_DIR, "keys-*.json")):
+        pid = int(Path(path).stem.split("-", 1)[1])
+        try:
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 5
+    while pids and time.time() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    shutil.rmtree(_DIR, ignore_errors=True)
+    _DIR = None
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that nobody has reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
