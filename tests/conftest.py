@@ -8,12 +8,25 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 import launch
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Run the test files whose cases share a pool last: their pools run in the background meanwhile (see
+    ``pytest_collection_finish``). The order within each group stays as collected."""
+    selected = {item.module.__name__ for item in items if getattr(item, "module", None) is not None}
+    pooled = launch.pool_modules(selected)
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in pooled)
+
+
 def pytest_collection_finish(session):
-    """Tell the launch pools which test modules have selected tests (see ``launch.pooled_launch``)."""
+    """Tell the launch pools which test modules have selected tests, and start the pools (see
+    ``launch.start_pools``)."""
     launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
+    if session.items and not session.config.option.collectonly:
+        launch.start_pools(session.config._tmp_path_factory.mktemp("pools"))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -31,6 +44,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "slowest 15 cases inside launches (rank 0)")
         for seconds, name in sorted(timed, reverse=True)[:15]:
             terminalreporter.write_line(f"{seconds:7.2f}s {name}")
+    if forkserver.summary():
+        terminalreporter.write_line(f"forkserver: {forkserver.summary()}")
 
 
 @pytest.fixture()

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,23 +118,59 @@ def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
 # test modules that have selected tests, so a run of one file or a `-k` selection launches only what it needs.
 _POOLS: dict[tuple, list[tuple[str, str]]] = {}
 _POOL_LAUNCHES: dict[tuple, tuple[Path, str, int, list[str]]] = {}
+_BACKGROUND: dict[tuple, threading.Thread] = {}
 SELECTED: set[str] | None = None
+
+
+def pool_modules(selected: set[str]) -> set[str]:
+    """The selected test modules whose scripts run in a pool (of one script or more)."""
+    return {module for members in _POOLS.values() for _, module in members if module in selected}
+
+
+def start_pools(root: Path) -> None:
+    """Start every pool of selected scripts now, one after another in a background thread, so that they run while
+    the tests that need no pool do (conftest.py runs the pooled test files last). Most of those tests leave a core
+    idle much of the time: waiting on a launch's rendezvous or a timeout, or running one process."""
+    keys = [key for key, members in sorted(_POOLS.items())
+            if any(SELECTED is None or module in SELECTED for _, module in members)]
+    if not keys:
+        return
+
+    def run_all() -> None:
+        for key in keys:
+            scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
+            _run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))
+
+    thread = threading.Thread(target=run_all, name="pools", daemon=True)
+    for key in keys:
+        _BACKGROUND[key] = thread
+    thread.start()
+
+
+def _run_pool(key: tuple, out: Path, scripts: list[str]) -> None:
+    nproc, env = key[0], dict(key[1])
+    try:
+        proc = subprocess.run(torchrun("pool.py", nproc),
+                              env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts), **env),
+                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        _POOL_LAUNCHES[key] = (out, proc.stdout + proc.stderr, proc.returncode, scripts)
+    except subprocess.TimeoutExpired as err:
+        _POOL_LAUNCHES[key] = (out, f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}", None, scripts)
 
 
 def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]) -> Launch:
     """The launch that ran ``script``'s cases: one ``workers/pool.py`` launch for every selected script of the same
-    world size and environment, started by the first test that needs it."""
+    world size and environment, started in the background when collection ends (:func:`start_pools`) or else by
+    the first test that needs it."""
     key = (nproc, tuple(sorted(env.items())))
+    if key in _BACKGROUND:
+        _BACKGROUND[key].join(timeout=2 * LAUNCH_TIMEOUT_S * len(_BACKGROUND))
     if key not in _POOL_LAUNCHES:
         members = [s for s, module in _POOLS.get(key, []) if SELECTED is None or module in SELECTED]
         scripts = list(dict.fromkeys(members + [script]))
         if len(scripts) == 1:
             return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
-        out = tmp_path_factory.mktemp(f"pool{nproc}")
-        proc = subprocess.run(torchrun("pool.py", nproc), env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts),
-                                                                         **env),
-                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        _POOL_LAUNCHES[key] = (out, proc.stdout + proc.stderr, proc.returncode, scripts)
+        _run_pool(key, tmp_path_factory.mktemp(f"pool{nproc}"), scripts)
     out, log, returncode, scripts = _POOL_LAUNCHES[key]
     if script not in scripts:  # not selected when the pool started (cannot happen in one session; kept safe)
         return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)

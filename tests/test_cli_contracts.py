@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
+
 from lightning_fsdp.cli import _parser, main
 from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.engine.precision import SUPPORTED_PRECISION
@@ -38,8 +40,8 @@ def batch():
 def sharded(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("verify")
     (where / "save.py").write_text(SAVE)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(where / "save.py"), str(where / "ckpt")], cwd=where, env=env,
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    proc = subprocess.run([forkserver.python(), str(where / "save.py"), str(where / "ckpt")], cwd=where, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return where / "ckpt"

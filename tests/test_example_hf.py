@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_finetune_hf_example(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **forkserver.env())
+    # The environment of the other example tests, so that the same warm servers fork these processes.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
     proc = subprocess.run([forkserver.python(), str(ROOT / "examples" / "finetune_hf.py"), "--out",
                            str(tmp_path / "run"), "--steps", "3"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -63,6 +63,20 @@ def env(ranks: bool = True) -> dict[str, str]:
             "PYTHON_EXEC": python() if ranks else sys.executable}
 
 
+def summary() -> str:
+    """How many servers started, what their imports cost, and how many processes they forked or refused."""
+    if _DIR is None:
+        return ""
+    logs = [Path(p).read_text() for p in glob.glob(os.path.join(_DIR, "*.log"))]
+    imports = [float(line.split(" after ")[1].split()[0]) for log in logs for line in log.splitlines()
+               if line.startswith("serving ")]
+    forked = sum(line.startswith("forked ") for log in logs for line in log.splitlines())
+    real = Path(_DIR) / "real-processes.log"
+    real = len(real.read_text().splitlines()) if real.is_file() else 0
+    return (f"{len(imports)} fork servers ({sum(imports):.0f} s of imports in all), {forked} processes forked,"
+            f" {real} run as real processes (no server fitted their environment yet)")
+
+
 def stop() -> None:
     """Stop every server and remove their folder."""
     global _DIR

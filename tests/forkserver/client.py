@@ -32,6 +32,7 @@ def main() -> None:
     if pid is None:
         # No server fits this environment yet: this run is an ordinary process, and a server starts for the next.
         if where and os.path.isdir(where):
+            _note_fallback(where, argv)
             _start_server(where)
         os.execv(sys.executable, [sys.executable, *argv])
     for sig in FORWARDED:
@@ -92,6 +93,16 @@ def _fork_remote(where: str, argv: list[str], inherited: list[int]):
         conn.close()
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     return None, None
+
+
+def _note_fallback(where: str, argv: list[str]) -> None:
+    """One line per real process, for the session's summary (``__init__.summary``)."""
+    try:
+        fd = os.open(os.path.join(where, "real-processes.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, (json.dumps(argv[:3]) + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _start_server(where: str) -> None:

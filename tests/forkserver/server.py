@@ -176,6 +176,7 @@ def serve(where: str, name: str):
                 for fd in request["fds"]:
                     os.close(fd)
                 _send(conn, {"pid": pid})
+                print(f"forked {pid}: {request['argv'][:3]}", flush=True)
                 children[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
             else:  # a client closed its end: it died, so its process goes too
