@@ -29,21 +29,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(out: Path, *, forked: bool = True, **extra: str) -> dict[str, str]:
+# What every Python process the suite starts gets, launches and scripts alike. One set of values, so that the same
+# warm servers fork them all (a server serves one environment: tests/forkserver).
+PROCESS_ENV = dict(
+    OMP_NUM_THREADS="1",
+    PYTHONUNBUFFERED="1",
+    PYTHONWARNINGS="ignore::DeprecationWarning",
+    # On an abort, Python prints every thread's stack: the only clue to which thread ends a process at exit.
+    PYTHONFAULTHANDLER="1",
+)
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a script the test runs with ``forkserver.python()`` (an example, a litgpt command, a
+    README snippet): this process's, with :data:`PROCESS_ENV` and the fork servers' variables."""
+    return {**os.environ, **PROCESS_ENV, **forkserver.env(), **extra}
+
+
+def worker_env(out: Path, *, forked: bool = True, full_exit: bool = False, **extra: str) -> dict[str, str]:
     """The environment of a launch's processes: torchrun forks its ranks from warm servers (``tests/forkserver``).
-    ``forked=False`` for a launch whose ranks must be real processes (see CONTRIBUTING.md, "Forked or real
-    processes"); torchrun itself is forked either way, as :func:`torchrun` says."""
+    ``full_exit=True`` for a launch whose test is about how its ranks exit: they end as a new interpreter does (see
+    ``forkserver.env``). ``forked=False`` for ranks that must be real processes (see CONTRIBUTING.md, "Forked or
+    real processes"); torchrun itself is forked either way, as :func:`torchrun` says."""
     env = dict(os.environ)
     env.update(
         LFSDP_TEST_OUT=str(out),
         PYTHONPATH=os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONWARNINGS="ignore::DeprecationWarning",
-        # On an abort, Python prints every thread's stack: the only clue to which thread ends a process at exit.
-        PYTHONFAULTHANDLER="1",
+        **PROCESS_ENV,
     )
-    env.update(forkserver.env(ranks=forked))
+    env.update(forkserver.env(ranks=forked, full_exit=full_exit))
     env.update(extra)
     return env
 

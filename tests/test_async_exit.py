@@ -16,7 +16,8 @@ FAILED_LINE = "lightning_fsdp: OSError: [Errno 28] The background save of"
 
 
 def _run(where: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun("async_exit.py", 2), env=worker_env(out, forked=False, LFSDP_EXIT_DIR=str(where)),
+    # full_exit: the ranks end as new interpreters do (tests/forkserver), since their exit is what is checked.
+    return subprocess.run(torchrun("async_exit.py", 2), env=worker_env(out, full_exit=True, LFSDP_EXIT_DIR=str(where)),
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
@@ -62,7 +63,8 @@ def test_a_last_background_save_that_succeeds_is_complete_and_exits_zero(tmp_pat
 def test_the_last_background_save_of_a_fit_that_fails_makes_the_exit_status_non_zero(tmp_path):
     """The Trainer front: the strategy's teardown at the end of ``fit`` waits for the save and raises its error."""
     where = tmp_path / "checkpoints"
-    run = subprocess.run(torchrun("async_exit_trainer.py", 2), env=worker_env(tmp_path / "out", forked=False, LFSDP_EXIT_DIR=str(where)),
+    run = subprocess.run(torchrun("async_exit_trainer.py", 2), env=worker_env(tmp_path / "out", full_exit=True,
+                                                                                  LFSDP_EXIT_DIR=str(where)),
                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     log = run.stdout + run.stderr
     assert run.returncode != 0, f"exit status 0 although the last save failed:\n{log[-4000:]}"

@@ -5,7 +5,10 @@ overlap their start-up, and the load makes exits race the way they do on a busy 
 
 What each test can catch: if a launch crashes with probability 2/5, all of LAUNCHES = 8 launches pass with
 probability (3/5)**8 = 1.7%, so the first test misses that bug about once in 60 runs (with 5 launches, once in 13).
-The deterministic guard is the second test, which forces the race: without the wait at exit it fails every time."""
+The deterministic guard is the second test, which forces the race: without the wait at exit it fails every time.
+
+The ranks are forked from the suite's warm servers with ``full_exit=True`` (``tests/forkserver``): each ends as a
+new interpreter does, its last collection going over every object, torch's and Lightning's included."""
 
 import json
 import os
@@ -19,8 +22,8 @@ LAUNCHES = 8
 
 def test_every_launch_exits_zero(tmp_path):
     outs = [tmp_path / f"launch{i}" for i in range(LAUNCHES)]
-    procs = [subprocess.Popen(torchrun("clean_exit.py", 2), env=worker_env(out, forked=False), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for out in outs]
+    procs = [subprocess.Popen(torchrun("clean_exit.py", 2), env=worker_env(out, full_exit=True),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for out in outs]
     logs = [proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for proc in procs]
     failures = []
     for i, (out, proc, log) in enumerate(zip(outs, procs, logs)):
@@ -39,7 +42,8 @@ def test_a_collective_unfinished_at_exit_still_exits_zero(tmp_path):
     every launch tried (4 of 4)."""
     for i in range(IN_FLIGHT_LAUNCHES):
         out = tmp_path / f"launch{i}"
-        proc = subprocess.run(torchrun("exit_in_flight.py", 2), env=worker_env(out, forked=False), capture_output=True, text=True,
+        proc = subprocess.run(torchrun("exit_in_flight.py", 2), env=worker_env(out, full_exit=True),
+                              capture_output=True, text=True,
                               timeout=LAUNCH_TIMEOUT_S)
         launch = Launch(out=out, world_size=2, log=proc.stdout + proc.stderr, returncode=proc.returncode)
         details = launch.check("leave_an_all_reduce_in_flight_at_exit")

@@ -4,7 +4,6 @@ command line's own terms."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import forkserver
+from launch import script_env
 
 from lightning_fsdp.cli import _parser, main
 from lightning_fsdp.engine.config import ShardingStrategy
@@ -40,7 +40,7 @@ def batch():
 def sharded(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("verify")
     (where / "save.py").write_text(SAVE)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    env = script_env()
     proc = subprocess.run([forkserver.python(), str(where / "save.py"), str(where / "ckpt")], cwd=where, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,7 +18,7 @@ import yaml
 
 import forkserver
 from doc_snippets import ROOT, all_snippets, documents, parse
-from launch import LAUNCH_TIMEOUT_S, Launch, torchrun, worker_env
+from launch import LAUNCH_TIMEOUT_S, PROCESS_ENV, Launch, script_env, torchrun, worker_env
 
 SNIPPETS = all_snippets()
 BY_RANKS = {n: [s for s in SNIPPETS if s.kind == "python" and s.ranks == n] for n in (1, 2, 4)}
@@ -29,7 +29,7 @@ def _run(snippets, nproc: int, tmp: Path) -> Launch:
     listing = tmp / "snippets.json"
     listing.write_text(json.dumps([dict(s.to_dict(), name=s.name) for s in snippets]))
     out = tmp / "out"
-    env = worker_env(out, LFSDP_SNIPPETS=str(listing), PYTHONWARNINGS="ignore")
+    env = worker_env(out, LFSDP_SNIPPETS=str(listing))
     script = str(Path(__file__).parent / "workers" / "doc_snippets.py")
     command = torchrun("doc_snippets.py", nproc) if nproc > 1 else [forkserver.python(), script]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
@@ -69,8 +69,8 @@ def test_yaml_snippet_trains(snippet, tmp_path):
     config.write_text(snippet.code)
     report = tmp_path / "report"
     workers = str(Path(__file__).parent / "workers")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LFSDP_YAML_REPORT=str(report),
-               PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])), **forkserver.env())
+    env = script_env(LFSDP_YAML_REPORT=str(report),
+                     PYTHONPATH=os.pathsep.join(filter(None, [workers, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [forkserver.python(), str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
          "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
@@ -286,7 +286,7 @@ def test_readme_fabric_snippet_runs_as_python_train_py(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "TORCHELASTIC_RUN_ID"}}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    env.update(PROCESS_ENV, **forkserver.env())
     proc = subprocess.Popen([forkserver.python(), "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

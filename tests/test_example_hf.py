@@ -1,13 +1,13 @@
 """`examples/finetune_hf.py` run end to end as a user would (2 CPU processes): pretrained safetensors in, a
 fine-tune, an export that `from_pretrained` reads back as exactly the fine-tuned weights."""
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 import forkserver
+from launch import script_env
 
 pytest.importorskip("transformers")
 
@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_finetune_hf_example(tmp_path):
-    # The environment of the other example tests, so that the same warm servers fork these processes.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    env = script_env()
     proc = subprocess.run([forkserver.python(), str(ROOT / "examples" / "finetune_hf.py"), "--out",
                            str(tmp_path / "run"), "--steps", "3"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import forkserver
+from launch import script_env
 
 from lightning_fsdp._base.compat import WeightAveraging
 
@@ -24,7 +25,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples" / "patterns"
     ],
 )
 def test_pattern_example_runs(script, expected, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    env = script_env()
     # Its own session: Fabric starts the second rank as a child, and a timeout must end both, not leave that rank
     # holding the output pipe open.
     proc = subprocess.Popen([forkserver.python(), str(EXAMPLES / script)], cwd=tmp_path, env=env, text=True,

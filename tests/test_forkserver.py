@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import forkserver
+from launch import worker_env
 
 pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="LFSDP_TEST_FORKSERVER=0: launches are not forked")
 
@@ -28,8 +29,10 @@ out = {
     "pid": os.getpid(), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "main": __name__,
     "file": __file__, "spec": __spec__ is None, "value": os.environ.get("LFSDP_PROBE_VALUE"),
     "unset": "LFSDP_PROBE_UNSET" in os.environ, "torch_seed": torch.initial_seed(), "random": random.random(),
-    "umask": os.umask(0o022), "forked": "forkserver/server.py" in open(f"/proc/{os.getppid()}/cmdline").read(),
-    "default_term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "int_handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "frozen": __import__("gc").get_freeze_count(), "umask": os.umask(0o022),
+    "forked": "forkserver/server.py" in open(f"/proc/{os.getppid()}/cmdline").read(),
+    "default_term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "int_handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
 }
 print(json.dumps(out), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -69,7 +72,8 @@ def probe(tmp_path_factory) -> Path:
 
 
 def run(probe: Path, *args: str, env: dict | None = None, popen: bool = False, **kwargs):
-    environ = dict(os.environ, OMP_NUM_THREADS="1", LFSDP_PROBE_VALUE="v1", **forkserver.env())
+    # The environment of torchrun in a launch, so that the server already warm for it forks the probe.
+    environ = worker_env(probe.parent / "out", LFSDP_PROBE_VALUE="v1")
     environ.update(env or {})
     environ.pop("LFSDP_PROBE_UNSET", None)
     command = [forkserver.python(), str(probe), *args]
@@ -114,6 +118,14 @@ def test_signals_ignored_by_the_parent_stay_ignored(probe, warm, inherited):
     # installs its KeyboardInterrupt handler. Whatever the server itself inherited.
     proc = run(probe, preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     assert report(proc)["forked"] and report(proc)["int_handler"] == (inherited == signal.SIG_DFL)
+
+
+def test_a_full_exit_puts_every_object_back_in_the_collectors_reach(probe, warm):
+    # Frozen, the server's imports cost nothing at exit; the exit tests ask for a new interpreter's whole last
+    # collection instead.
+    frozen, full = report(run(probe)), report(run(probe, env={"LFSDP_FORKSERVER_FULL_EXIT": "1"}))
+    assert frozen["forked"] and full["forked"]
+    assert frozen["frozen"] > 100_000 and full["frozen"] == 0, (frozen["frozen"], full["frozen"])
 
 
 def test_exit_codes_and_deaths_by_signal_come_through(probe, warm):
@@ -170,14 +182,13 @@ def test_killing_the_stand_in_kills_the_process(probe, warm, tmp_path):
 def test_an_environment_imports_would_read_differently_gets_a_real_process(probe, warm, variable):
     # Lightning reads RANK at import, the interpreter PYTHONHASHSEED at start, OpenMP OMP_NUM_THREADS at load: a
     # process forked from a server that started with other values would not be what was asked for.
-    proc = run(probe, env={variable: "37"})
+    proc = run(probe, env={variable: "37", "LFSDP_FORKSERVER_START": "0"})  # and start no server for it
     assert proc.returncode == 0 and not report(proc)["forked"]
 
 
 def test_unsupported_interpreter_options_get_a_real_process(probe, warm):
-    environ = dict(os.environ, OMP_NUM_THREADS="1", **forkserver.env())
-    proc = subprocess.run([forkserver.python(), "-X", "dev", str(probe)], env=environ, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([forkserver.python(), "-X", "dev", str(probe)], env=worker_env(probe.parent / "out"),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and not report(proc)["forked"]
 
 

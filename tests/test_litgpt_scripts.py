@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import forkserver
-from launch import free_port
+from launch import free_port, script_env
 
 LITGPT = Path(__file__).parent / "litgpt"
 AS_USER = LITGPT / "as_user.py"
@@ -69,16 +69,9 @@ def base(tmp_path_factory) -> Path:
 
 def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str, str] | None = None) -> None:
     """Run ``litgpt COMMAND ARGS`` as ``how``: ``single`` (litgpt itself, devices=1), ``ours`` or ``ddp`` (2 ranks)."""
-    environ = dict(os.environ)
-    environ.update(
-        PYTHONPATH=os.pathsep.join([str(LITGPT), environ.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        LITGPT_AS_USER_STRATEGY=how,
-        PYTHONFAULTHANDLER="1",  # an abort prints every thread's stack: the only clue to which thread ends a process
-        **forkserver.env(),  # every process of the run is forked from a warm server: see tests/forkserver
-        **(env or {}),
-    )
+    # Every process of the run is forked from a warm server (tests/forkserver).
+    environ = script_env(PYTHONPATH=os.pathsep.join([str(LITGPT), os.environ.get("PYTHONPATH", "")]),
+                         LITGPT_AS_USER_STRATEGY=how, **(env or {}))
     if how == "single":
         cmd = [forkserver.python(), "-m", "litgpt", command, *args, "--devices", "1"]
     else:

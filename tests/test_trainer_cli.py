@@ -4,17 +4,17 @@ through ``examples/cli_train.py`` on 2 processes, and a bad value in YAML fails 
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-import forkserver
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
+
+import forkserver
+from launch import script_env
 
 from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.trainer import FSDPStrategy, FSDPTrainerPrecision
@@ -130,7 +130,7 @@ def test_cli_trains_from_a_config_on_two_processes(tmp_path):
         forkserver.python(), str(EXAMPLE), "fit", "--config", str(CONFIGS / "fsdp_cpu.yaml"), "--trainer.max_steps=6",
         "--trainer.val_check_interval=3", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **forkserver.env())
+    env = script_env()
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

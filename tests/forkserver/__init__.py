@@ -48,19 +48,25 @@ def directory() -> str:
 
 
 def python() -> str:
-    """The ``python`` to start a forkable process with: ``[python(), ARGS...]`` runs like ``[sys.executable, ARGS...]``."""
+    """The ``python`` to start a forkable process with: ``[python(), ARGS...]`` runs like
+    ``[sys.executable, ARGS...]``."""
     return str(Path(directory()) / "python") if enabled() else sys.executable
 
 
-def env(ranks: bool = True) -> dict[str, str]:
+def env(ranks: bool = True, full_exit: bool = False) -> dict[str, str]:
     """Variables for a process started with :func:`python`: where the servers are. With ``ranks``, torchrun's ranks
     are forked too (torchrun starts them with ``$PYTHON_EXEC``); without, they are real processes. Any process a
-    forked one starts with ``sys.executable`` is forked as well, where its environment fits a server."""
+    forked one starts with ``sys.executable`` is forked as well, where its environment fits a server.
+
+    ``full_exit``: the forked processes end as a new interpreter does, with every object the server imported back in
+    the collector's reach (``gc.unfreeze``), so that the last collection at exit runs over all of them; for the tests
+    of how a process exits. It costs the second at exit that freezing saves."""
     if not enabled():
         return {}
     # A forked process's sys.executable is the shim, so torchrun's ranks need a real one named to be real.
-    return {"LFSDP_FORKSERVER_DIR": directory(), "LFSDP_FORKSERVER_OWNER": str(os.getpid()),
-            "PYTHON_EXEC": python() if ranks else sys.executable}
+    found = {"LFSDP_FORKSERVER_DIR": directory(), "LFSDP_FORKSERVER_OWNER": str(os.getpid()),
+             "PYTHON_EXEC": python() if ranks else sys.executable}
+    return {**found, "LFSDP_FORKSERVER_FULL_EXIT": "1"} if full_exit else found
 
 
 def summary() -> str:
@@ -71,7 +77,7 @@ def summary() -> str:
     imports = [float(line.split(" after ")[1].split()[0]) for log in logs for line in log.splitlines()
                if line.startswith("serving ")]
     forked = sum(line.startswith("forked ") for log in logs for line in log.splitlines())
-    real = Path(_DIR) / "real-processes.log"
+    real = Path(_DIR) / "real-processes.txt"
     real = len(real.read_text().splitlines()) if real.is_file() else 0
     return (f"{len(imports)} fork servers ({sum(imports):.0f} s of imports in all), {forked} processes forked,"
             f" {real} run as real processes (no server fitted their environment yet)")

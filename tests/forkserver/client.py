@@ -2,9 +2,10 @@
 
 Started as ``python -S client.py ARGS`` (the ``python`` shim that ``__init__.py`` writes), so it imports nothing
 beyond a few standard modules and starts in milliseconds. It stands in for the process it asked for: it hands the
-server its argv, environment, working directory, umask and its stdin/stdout/stderr, forwards every signal it gets to
-the forked process, and exits as that process exited, with the same code or by the same signal. Killed itself (even
-by SIGKILL), it closes its connection, and the server kills the forked process.
+server its argv, environment, working directory, umask, ignored signals and every file descriptor it inherited
+(stdin/stdout/stderr, and pipes passed with ``pass_fds``), forwards every signal it gets to the forked process, and
+exits as that process exited, with the same code or by the same signal. Killed itself (even by SIGKILL), it closes
+its connection, and the server kills the forked process.
 """
 
 import glob
@@ -20,7 +21,8 @@ import sys
 # Signals a parent may send to "the rank" that this process must pass on. SIGKILL and SIGSTOP cannot be caught:
 # SIGKILL ends this process, and the server then kills the forked one.
 FORWARDED = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)]
-MAX_SERVERS = 12
+# A full run of the suite starts about 17 (each rank of each environment has its own); each holds a few hundred MB.
+MAX_SERVERS = 32
 MAX_FDS = 250  # what one message can carry (the kernel's SCM_MAX_FD is 253)
 
 
@@ -28,12 +30,15 @@ def main() -> None:
     inherited = _open_fds()  # before this process opens any of its own
     argv = sys.argv[1:]
     where = os.environ.get("LFSDP_FORKSERVER_DIR", "")
+    if not supported(argv):  # interpreter options: a real Python, and no server to start for it
+        os.execv(sys.executable, [sys.executable, *argv])
     pid, conn = _fork_remote(where, argv, inherited) if where and os.path.isdir(where) else (None, None)
     if pid is None:
         # No server fits this environment yet: this run is an ordinary process, and a server starts for the next.
         if where and os.path.isdir(where):
             _note_fallback(where, argv)
-            _start_server(where)
+            if os.environ.get("LFSDP_FORKSERVER_START", "1") != "0":
+                _start_server(where)
         os.execv(sys.executable, [sys.executable, *argv])
     for sig in FORWARDED:
         try:
@@ -54,6 +59,14 @@ def main() -> None:
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(status["exit"])
+
+
+def supported(argv: list) -> bool:
+    """``python [-u] SCRIPT ...``, ``python [-u] -m MODULE ...`` or ``python [-u] -c CODE ...``: other interpreter
+    options change the interpreter's own start-up, which a forked process has behind it."""
+    args = [a for a in argv[:2] if a != "-u"] or [""]
+    return bool(args[0]) and (args[0] in ("-m", "-c") or not args[0].startswith("-")) and \
+        (args[0] not in ("-m", "-c") or len(argv) > argv.index(args[0]) + 1)
 
 
 def _send_signal(pid: int, sig: int) -> None:
@@ -98,7 +111,7 @@ def _fork_remote(where: str, argv: list[str], inherited: list[int]):
 def _note_fallback(where: str, argv: list[str]) -> None:
     """One line per real process, for the session's summary (``__init__.summary``)."""
     try:
-        fd = os.open(os.path.join(where, "real-processes.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        fd = os.open(os.path.join(where, "real-processes.txt"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.write(fd, (json.dumps(argv[:3]) + "\n").encode())
         os.close(fd)
     except OSError:
@@ -107,8 +120,7 @@ def _note_fallback(where: str, argv: list[str]) -> None:
 
 def _start_server(where: str) -> None:
     """Start a server for this environment, unless one is already starting for it or there are enough."""
-    if len(glob.glob(os.path.join(where, "*.sock"))) + len(glob.glob(os.path.join(where, "*.starting"))) \
-            >= MAX_SERVERS:
+    if len(glob.glob(os.path.join(where, "*.log"))) >= MAX_SERVERS:  # one log per server ever started
         return
     keys = set()
     for path in glob.glob(os.path.join(where, "keys-*.json")):

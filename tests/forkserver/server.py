@@ -2,9 +2,9 @@
 
 ``python server.py DIR NAME`` imports what every worker imports (several seconds on the reference machine), listens
 on ``DIR/NAME.sock`` and, for each client (``client.py``) whose environment fits its own, forks a child that becomes
-the process the client stands for: ``python ARGS`` with the client's argv, environment, working directory, umask
-and stdin/stdout/stderr. The child then runs like a fresh interpreter that had imported the same modules: a new
-``__main__``, ``sys.path`` rebuilt from the script and ``PYTHONPATH``, the signal handlers an interpreter starts
+the process the client stands for: ``python ARGS`` with the client's argv, environment, working directory, umask,
+ignored signals and inherited file descriptors. The child then runs like a fresh interpreter that had imported the
+same modules: a new ``__main__``, ``sys.path`` rebuilt from the script and ``PYTHONPATH``, the signal handlers an interpreter starts
 with, new random seeds (Python's, NumPy's and torch's), and the interpreter's own exit (atexit handlers, exit code).
 
 "Fits" is strict. While it imports, the server records every environment variable Python code reads; a request
@@ -26,6 +26,10 @@ import struct
 import sys
 import time
 import types
+
+from client import supported  # this folder is sys.path[0]
+
+del sys.modules["client"]  # no module of this folder in a forked process, as in a fresh one
 
 # Variables native code may read while modules load, which the recording of Python-level reads cannot see.
 NATIVE_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "OPENMP", "LC_", "LANG", "PYTHON", "CUDA_", "NCCL_",
@@ -152,7 +156,7 @@ def serve(where: str, name: str):
                     continue
                 mismatch = [k for k, v in compared(request["env"], read, prefixes).items() if expected.get(k) != v]
                 mismatch += [k for k, v in expected.items() if request["env"].get(k) != v]
-                if mismatch or not _supported(request["argv"]):
+                if mismatch or not supported(request["argv"]):
                     reason = sorted(set(mismatch))[:20] or f"argv {request['argv'][:3]}"
                     print(f"refused {request['argv'][:3]}: {reason}", flush=True)
                     _send(conn, {"refused": reason})
@@ -193,14 +197,6 @@ def serve(where: str, name: str):
     except OSError:
         pass
     sys.exit(0)
-
-
-def _supported(argv: list) -> bool:
-    """``python [-u] SCRIPT ...``, ``python [-u] -m MODULE ...`` or ``python [-u] -c CODE ...``: other interpreter
-    options change the interpreter's own start-up, which a forked process has behind it."""
-    args = [a for a in argv[:2] if a != "-u"] or [""]
-    return bool(args[0]) and (args[0] in ("-m", "-c") or not args[0].startswith("-")) and \
-        (args[0] not in ("-m", "-c") or len(argv) > argv.index(args[0]) + 1)
 
 
 def _reap(children: dict, selector) -> None:
@@ -318,6 +314,8 @@ def become(request: dict) -> None:
     import faulthandler
     if faulthandler.is_enabled() or os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable(file=sys.stderr)
+    if request["env"].get("LFSDP_FORKSERVER_FULL_EXIT") == "1":
+        gc.unfreeze()  # the exit of a new interpreter: its last collection goes over every object
     # A new interpreter draws new seeds; a forked one would repeat the server's.
     import torch
     torch.default_generator.seed()
