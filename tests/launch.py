@@ -150,7 +150,13 @@ def start_pools(root: Path) -> None:
     if not keys:
         return
 
+    # Servers for torchrun and for every rank of the pools, before the pools start: their processes are forked too.
+    process = {k: v for k, v in worker_env(root).items() if k not in ("RANK", "LOCAL_RANK")}
+    ranks = range(max(key[0] for key in keys))
+    forkserver.prewarm([process] + [{**process, "RANK": str(r), "LOCAL_RANK": str(r)} for r in ranks])
+
     def run_all() -> None:
+        forkserver.wait_until_serving(1 + len(ranks))
         for key in keys:
             scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
             _run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))

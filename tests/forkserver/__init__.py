@@ -69,6 +69,28 @@ def env(ranks: bool = True, full_exit: bool = False) -> dict[str, str]:
     return {**found, "LFSDP_FORKSERVER_FULL_EXIT": "1"} if full_exit else found
 
 
+def prewarm(envs: list[dict[str, str]]) -> None:
+    """Start a server for each environment now, so that the first processes of the session are forked too (a
+    server's imports take a few seconds; until one serves an environment, its processes run real)."""
+    if not enabled():
+        return
+    from forkserver import client
+    for wanted in envs:
+        client.start_server(directory(), wanted)
+
+
+def wait_until_serving(count: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``count`` servers serve (or started and refused to), or ``timeout_s`` passed."""
+    if not enabled():
+        return
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        done = glob.glob(os.path.join(directory(), "*.sock")) + glob.glob(os.path.join(directory(), "*.refused"))
+        if len(done) >= count:
+            return
+        time.sleep(0.2)
+
+
 def summary() -> str:
     """How many servers started, what their imports cost, and how many processes they forked or refused."""
     if _DIR is None:

@@ -38,7 +38,7 @@ def main() -> None:
         if where and os.path.isdir(where):
             _note_fallback(where, argv)
             if os.environ.get("LFSDP_FORKSERVER_START", "1") != "0":
-                _start_server(where)
+                start_server(where, dict(os.environ))
         os.execv(sys.executable, [sys.executable, *argv])
     for sig in FORWARDED:
         try:
@@ -118,8 +118,8 @@ def _note_fallback(where: str, argv: list[str]) -> None:
         pass
 
 
-def _start_server(where: str) -> None:
-    """Start a server for this environment, unless one is already starting for it or there are enough."""
+def start_server(where: str, env: dict) -> None:
+    """Start a server for ``env``, unless one is already starting for it or there are enough."""
     if len(glob.glob(os.path.join(where, "*.log"))) >= MAX_SERVERS:  # one log per server ever started
         return
     keys = set()
@@ -129,7 +129,7 @@ def _start_server(where: str) -> None:
                 keys.update(json.load(f))
         except (OSError, ValueError):
             pass
-    from_env = {k: os.environ.get(k) for k in sorted(keys | {"RANK", "LOCAL_RANK"})}
+    from_env = {k: env.get(k) for k in sorted(keys | {"RANK", "LOCAL_RANK"})}
     name = hashlib.sha1(json.dumps(from_env, sort_keys=True).encode()).hexdigest()[:16]
     if os.path.exists(os.path.join(where, f"{name}.refused")):
         return
@@ -142,8 +142,8 @@ def _start_server(where: str) -> None:
     with open(os.path.join(where, f"{name}.log"), "ab") as log:
         # A session of its own, so that a signal to this process's group (torchrun stops a rank that way) never
         # reaches the server; no inherited pipes, so that whoever reads this process's output sees it end.
-        subprocess.Popen([sys.executable, server, where, name], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                         start_new_session=True, close_fds=True)
+        subprocess.Popen([sys.executable, server, where, name], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=log, start_new_session=True, close_fds=True)
 
 
 def _open_fds() -> list[int]:
