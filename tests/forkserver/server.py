@@ -14,6 +14,7 @@ import), gets a refusal, and the client runs an ordinary Python instead. The ser
 pytest process, ``LFSDP_FORKSERVER_OWNER``) is gone, and its children die with it.
 """
 
+import atexit
 import ctypes
 import fcntl
 import gc
@@ -42,6 +43,9 @@ NOT_COMPARED = {"PYTHONPATH", "PYTHON_EXEC"}  # PYTHON_EXEC: read by torchrun as
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "lightning", "lightning.fabric", "lightning.pytorch"]
 PR_SET_PDEATHSIG = 1
+# Extensions built with nanobind, which lists at exit the objects of theirs still alive: triton, which torch's CUDA
+# wheels (the newest-torch CI leg) bring and Lightning's imports load.
+LEAK_CHECKED = ("triton",)
 
 
 # Modules that read the whole environment at import, looking for variables of one prefix. Their reads are compared
@@ -316,6 +320,11 @@ def become(request: dict) -> None:
         faulthandler.enable(file=sys.stderr)
     if request["env"].get("LFSDP_FORKSERVER_FULL_EXIT") == "1":
         gc.unfreeze()  # the exit of a new interpreter: its last collection goes over every object
+    elif any(name in sys.modules for name in LEAK_CHECKED):
+        # Their native part reports every object still alive at exit on stderr ("nanobind: leaked 4 instances!"),
+        # which frozen objects would be: at exit, put them back in reach of the interpreter's last collection (which
+        # comes after every exit handler). Exit then costs what a new interpreter's does.
+        atexit.register(gc.unfreeze)
     # A new interpreter draws new seeds; a forked one would repeat the server's.
     import torch
     torch.default_generator.seed()
