@@ -14,11 +14,26 @@ import launch
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Run the test files whose cases share a pool last: their pools run in the background meanwhile (see
-    ``pytest_collection_finish``). The order within each group stays as collected."""
-    selected = {item.module.__name__ for item in items if getattr(item, "module", None) is not None}
-    pooled = launch.pool_modules(selected)
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in pooled)
+    """Order the tests so that both cores stay busy while the pools run in the background (``launch.start_pools``,
+    from the end of collection):
+
+    1. tests marked ``single_process`` (they keep one core busy: the pytest process, or one subprocess at a time),
+       so that they run beside the pools, which fill the other core;
+    2. the other tests of the files that have no pooled script (most start launches of several processes, which
+       fill both cores alone);
+    3. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results, and
+       by then the pools are done, or nearly. A marked test that reads a pool's results stays here.
+
+    The order within each group stays as collected. A file stays in one piece except for its marked tests: a
+    module-scoped fixture shared by tests in two groups would be set up twice."""
+    def group(item) -> int:
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        reads_a_pool = bool(launch.POOL_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())))
+        if item.get_closest_marker("single_process") and not reads_a_pool:
+            return 0
+        return 2 if module in launch.POOL_FIXTURES else 1
+
+    items.sort(key=group)
 
 
 def pytest_collection_finish(session):

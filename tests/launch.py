@@ -134,29 +134,26 @@ _POOLS: dict[tuple, list[tuple[str, str]]] = {}
 _POOL_LAUNCHES: dict[tuple, tuple[Path, str, int, list[str]]] = {}
 _BACKGROUND: dict[tuple, threading.Thread] = {}
 SELECTED: set[str] | None = None
-
-
-def pool_modules(selected: set[str]) -> set[str]:
-    """The selected test modules whose scripts run in a pool (of one script or more)."""
-    return {module for members in _POOLS.values() for _, module in members if module in selected}
+# The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
+# such tests last).
+POOL_FIXTURES: dict[str, set[str]] = {}
 
 
 def start_pools(root: Path) -> None:
     """Start every pool of selected scripts now, one after another in a background thread, so that they run while
-    the tests that need no pool do (conftest.py runs the pooled test files last). Most of those tests leave a core
-    idle much of the time: waiting on a launch's rendezvous or a timeout, or running one process."""
+    the tests that need no pool do (conftest.py runs the tests that read a pool's results last, and the tests marked
+    ``single_process`` first, which would leave a core idle without a pool beside them)."""
     keys = [key for key, members in sorted(_POOLS.items())
             if any(SELECTED is None or module in SELECTED for _, module in members)]
     if not keys:
         return
 
-    # Servers for torchrun and for each rank, before the pools start, so that the first launches are forked.
-    process = {k: v for k, v in worker_env(root).items() if k not in ("RANK", "LOCAL_RANK")}
-    ranks = range(max(key[0] for key in keys))
-    forkserver.prewarm([process] + [{**process, "RANK": str(r), "LOCAL_RANK": str(r)} for r in ranks])
+    # A server for torchrun and its ranks (one serves them all), before the pools start, so that their first
+    # launches are forked.
+    server = forkserver.prewarm({k: v for k, v in worker_env(root).items() if k not in ("RANK", "LOCAL_RANK")})
 
     def run_all() -> None:
-        forkserver.wait_until_serving(1 + len(ranks))
+        forkserver.wait_until_serving(server)
         for key in keys:
             scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
             _run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))
@@ -205,6 +202,7 @@ def pooled(script: str, nproc: int, *, name: str, **env: str):
     file that checks the cases itself (``name.check(case)``) rather than through :func:`case_tests`."""
     module = sys._getframe(1).f_globals.get("__name__", "")
     _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
+    POOL_FIXTURES.setdefault(module, set()).add(name)
 
     @pytest.fixture(scope="module", name=name)
     def fixture(tmp_path_factory):
@@ -228,6 +226,7 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     if pooled:
         module = sys._getframe(1).f_globals.get("__name__", "")
         _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
+        POOL_FIXTURES.setdefault(module, set()).add("results")
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+# Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
+# background pools (tests/conftest.py).
+pytestmark = pytest.mark.single_process
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightning_fsdp"
 
 # (file, function, exception) -> why the message raised there needs no hint of its own.

@@ -47,6 +47,10 @@ from lightning_fsdp.checkpoint.integrity.zipfiles import verify_loaded
 from lightning_fsdp.checkpoint.load import load_checkpoint
 from lightning_fsdp.cli import main
 
+# Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
+# background pools (tests/conftest.py).
+pytestmark = pytest.mark.single_process
+
 SEED = 26
 CASES_PER_KIND = 40  # per reader and mutation kind (every offset for truncations of the small files)
 CASE_SECONDS = 5.0  # generous: the slowest case takes milliseconds; this only bounds a hang or a giant loop

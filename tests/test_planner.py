@@ -27,6 +27,10 @@ sys.path.insert(0, str(ROOT / "examples"))
 import plan_accuracy  # noqa: E402
 import train_gpt  # noqa: E402
 
+# Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
+# background pools (tests/conftest.py).
+pytestmark = pytest.mark.single_process
+
 MODELS = '''
 import sys, torch
 sys.path.insert(0, {examples!r})

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
+# background pools (tests/conftest.py).
+pytestmark = pytest.mark.single_process
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "configs/README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md")))]
 CODE = re.compile(r"`([^`\n]+)`")

@@ -9,6 +9,10 @@ from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.fabric import FSDPStrategy
 import lightning_fsdp  # noqa: F401 - importing registers the names
 
+# Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
+# background pools (tests/conftest.py).
+pytestmark = pytest.mark.single_process
+
 
 @pytest.mark.parametrize(
     ("name", "check"),

@@ -104,6 +104,7 @@ def test_plan_of_a_tensor_parallel_step_is_within_10_percent_of_the_tracker_on_4
     assert plan.breakdown()["sharded params"] == measured["sharded_param_bytes"]
 
 
+@pytest.mark.single_process
 def test_a_rank_plans_a_quarter_of_each_split_parameter_and_half_of_each_replicated_one():
     """On (shard=2, tp=2), a parameter the plan splits is held 1/(dp*tp) per rank; one it leaves whole (norms, the
     embedding, the head, a row-split Linear's bias) 1/dp, as FSDP alone shards it."""
@@ -121,6 +122,7 @@ def test_a_rank_plans_a_quarter_of_each_split_parameter_and_half_of_each_replica
     assert without.breakdown()["sharded params"] == sum(p.numel() * p.element_size() for p in GPT().parameters()) // 4
 
 
+@pytest.mark.single_process
 def test_plan_command_takes_the_tensor_parallel_size_and_plan():
     """`lightning-fsdp plan --tensor-parallel-size 2 --tensor-parallel-plan FILE.py:PLAN | JSON | auto`: the plan of
     the Python form, for the (shard, tp) mesh. Several tensor-parallel plans in one process give the same bytes (the
@@ -153,6 +155,7 @@ def test_plan_command_takes_the_tensor_parallel_size_and_plan():
     (["--tensor-parallel-size", "2", "--tensor-parallel-plan", "auto"],
      ["`--tensor-parallel-plan 'auto'`", "`GPT` has none", '\'{"layers.*.mlp.up_proj": "colwise"']),
 ])
+@pytest.mark.single_process
 def test_a_bad_tensor_parallel_combination_is_one_line_naming_the_option_and_a_hint(options, needles):
     run = run_cli(["plan", "--model", "tp_models.py:GPT", "--inputs", "tp_models.py:gpt_batch", "--world-size", "4",
                    *options], cwd=WORKERS)
@@ -162,6 +165,7 @@ def test_a_bad_tensor_parallel_combination_is_one_line_naming_the_option_and_a_h
         assert needle in run.stderr, f"{needle!r} not in {run.stderr!r}"
 
 
+@pytest.mark.single_process
 def test_plan_memory_refuses_a_size_that_does_not_divide_the_world_naming_the_allowed_sizes():
     with pytest.raises(ValueError, match=r"Invalid `tensor_parallel_size=3`.*Allowed: a divisor of world_size=4: 1,"
                                          r" 2, 4\. HINT: .*`world_size=6`"):

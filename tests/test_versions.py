@@ -33,6 +33,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "torch215_sharded"  # see fixture
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+@pytest.mark.single_process
 def test_inspect_reads_or_explains_a_checkpoint_written_by_torch_2_15(capsys):
     status = cli.main(["inspect", str(FIXTURE), "--json"])
     out, err = capsys.readouterr()
@@ -59,6 +60,7 @@ def _newer_format_checkpoint(path: Path, monkeypatch) -> Path:
     return path
 
 
+@pytest.mark.single_process
 def test_a_newer_tensor_metadata_names_the_recorded_writer_and_the_needed_torch(tmp_path, monkeypatch):
     from lightning_fsdp.checkpoint.formats.torch_versions import NewerTorchFormatError
 
@@ -79,6 +81,7 @@ def test_a_newer_tensor_metadata_names_the_recorded_writer_and_the_needed_torch(
         open_checkpoint(path)
 
 
+@pytest.mark.single_process
 def test_an_older_torch_format_still_reads(tmp_path):
     # The check must not refuse what this torch reads: its own files (and, under torch 2.15, 2.13's 5-field states).
     dcp.save({"model": {"w": torch.ones(2, 3)}}, checkpoint_id=tmp_path, no_dist=True)
@@ -105,6 +108,7 @@ def _private_imports(tree: ast.AST) -> list[str]:
 COMPAT = SRC / "_base" / "compat.py"  # the one module that may name torch's and Lightning's private names
 
 
+@pytest.mark.single_process
 def test_every_private_torch_and_lightning_name_is_in_compat():
     offenders = {}
     for file in sorted(SRC.rglob("*.py")):
@@ -117,6 +121,7 @@ def test_every_private_torch_and_lightning_name_is_in_compat():
     assert _private_imports(ast.parse(COMPAT.read_text())), "the scan finds nothing even in _base/compat.py"
 
 
+@pytest.mark.single_process
 def test_the_package_imports_and_trains_nothing_averaged_without_weight_averaging():
     # Lightning 2.5 has no `WeightAveraging`; Fabric-only users and the Trainer front must still import. Here the
     # installed Lightning's callback is hidden before the package is imported (the oldest-Lightning CI venv runs
