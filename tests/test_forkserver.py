@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ out = {
     "file": __file__, "spec": __spec__ is None, "value": os.environ.get("LFSDP_PROBE_VALUE"),
     "unset": "LFSDP_PROBE_UNSET" in os.environ, "torch_seed": torch.initial_seed(), "random": random.random(),
     "frozen": __import__("gc").get_freeze_count(), "umask": os.umask(0o022),
-    "forked": "forkserver/server.py" in open(f"/proc/{os.getppid()}/cmdline").read(),
+    "forked": "forkserver/server.py" in open(f"/proc/{os.getppid()}/cmdline").read(), "ppid_server": os.getppid(),
     "default_term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "int_handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
 }
@@ -60,6 +61,10 @@ if mode == "pipe":  # descriptors a parent passes with pass_fds
 if mode == "sleep":
     open(os.environ["PROBE_READY"], "w").close()
     time.sleep(60)
+if mode == "ranks":  # what Lightning and torchmetrics set from the rank variables at import
+    import lightning.fabric.utilities.rank_zero as fabric, lightning.pytorch.utilities.rank_zero as pytorch
+    import lightning_utilities.core.rank_zero as utilities, torchmetrics.utilities.prints as metrics
+    print(json.dumps({m.__name__: m.rank_zero_only.rank for m in (fabric, pytorch, utilities, metrics)}), flush=True)
 '''
 
 
@@ -178,12 +183,33 @@ def test_killing_the_stand_in_kills_the_process(probe, warm, tmp_path):
     assert not forkserver._alive(pid), f"the forked process {pid} outlived its stand-in"
 
 
-@pytest.mark.parametrize("variable", ["RANK", "PYTHONHASHSEED", "OMP_NUM_THREADS"])
+@pytest.mark.parametrize("variable", ["HF_HOME", "PYTHONHASHSEED", "OMP_NUM_THREADS"])
 def test_an_environment_imports_would_read_differently_gets_a_real_process(probe, warm, variable):
-    # Lightning reads RANK at import, the interpreter PYTHONHASHSEED at start, OpenMP OMP_NUM_THREADS at load: a
-    # process forked from a server that started with other values would not be what was asked for.
+    # huggingface_hub reads HF_HOME at import, the interpreter PYTHONHASHSEED at start, OpenMP OMP_NUM_THREADS at
+    # load: a process forked from a server that started with other values would not be what was asked for.
     proc = run(probe, env={variable: "37", "LFSDP_FORKSERVER_START": "0"})  # and start no server for it
     assert proc.returncode == 0 and not report(proc)["forked"]
+
+
+# RANK before LOCAL_RANK for Lightning, LOCAL_RANK alone for torchmetrics; SLURM_PROCID before JSM_NAMESPACE_RANK.
+RANKS = [{"RANK": "3", "LOCAL_RANK": "1"}, {"SLURM_PROCID": "5", "JSM_NAMESPACE_RANK": "6"}]
+
+
+def test_every_rank_is_forked_from_one_server_with_the_ranks_a_fresh_interpreter_sets(probe, warm):
+    # One server serves every rank (server.RANK_VARIABLES): a forked process sets again what Lightning and
+    # torchmetrics set from RANK, LOCAL_RANK, SLURM_PROCID and JSM_NAMESPACE_RANK at import. Each must be what a
+    # fresh interpreter with that environment has; the fresh ones run side by side.
+    environ = {k: v for k, v in worker_env(probe.parent / "out").items() if k not in ("RANK", "LOCAL_RANK")}
+    fresh = [subprocess.Popen([sys.executable, str(probe), "ranks"], env={**environ, **ranks}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for ranks in RANKS]
+    forked = [run(probe, "ranks", env=ranks) for ranks in RANKS]
+    for ranks, real, fork in zip(RANKS, fresh, forked):
+        out, err = real.communicate(timeout=300)
+        assert real.returncode == 0 and fork.returncode == 0, (err, fork.stderr)
+        assert report(fork)["forked"], f"{ranks}: not forked ({fork.stderr})"
+        expected, got = json.loads(out.splitlines()[1]), json.loads(fork.stdout.splitlines()[1])
+        assert got == expected, f"{ranks}: forked {got}, fresh {expected}"
+    assert len({report(fork)["ppid_server"] for fork in forked}) == 1, "the ranks came from more than one server"
 
 
 def test_unsupported_interpreter_options_get_a_real_process(probe, warm):

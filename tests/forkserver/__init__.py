@@ -9,8 +9,9 @@ The pytest side uses it through ``tests/launch.py``: :func:`env` adds the variab
 ranks through the shim. Which processes may be forked, and which must be real, is said in CONTRIBUTING.md ("Forked
 or real processes"). ``LFSDP_TEST_FORKSERVER=0`` turns it off for a run: every launch then starts real processes.
 
-Servers start on demand, one per environment that fits (each rank's own, since Lightning reads ``RANK`` at import),
-and stop with this pytest process (:func:`stop`, and each server also watches its owner).
+Servers start on demand, one per environment that fits (every rank shares one: see ``server.RANK_VARIABLES``), the
+second time a process of that environment asks, and stop with this pytest process (:func:`stop`, and each server
+also watches its owner).
 """
 
 from __future__ import annotations
@@ -69,24 +70,23 @@ def env(ranks: bool = True, full_exit: bool = False) -> dict[str, str]:
     return {**found, "LFSDP_FORKSERVER_FULL_EXIT": "1"} if full_exit else found
 
 
-def prewarm(envs: list[dict[str, str]]) -> None:
-    """Start a server for each environment now, so that the first processes of the session are forked too (a
-    server's imports take a few seconds; until one serves an environment, its processes run real)."""
+def prewarm(wanted: dict[str, str]) -> str | None:
+    """Start a server for the environment ``wanted`` now, so that the first processes of the session are forked too
+    (a server's imports take a few seconds; until one serves an environment, its processes run real). Returns the
+    server's name, for :func:`wait_until_serving`."""
     if not enabled():
-        return
+        return None
     from forkserver import client
-    for wanted in envs:
-        client.start_server(directory(), wanted)
+    return client.start_server(directory(), wanted)
 
 
-def wait_until_serving(count: int, timeout_s: float = 60.0) -> None:
-    """Wait until ``count`` servers serve (or started and refused to), or ``timeout_s`` passed."""
-    if not enabled():
+def wait_until_serving(name: str | None, timeout_s: float = 60.0) -> None:
+    """Wait until the server ``name`` serves (or started and refused to), or ``timeout_s`` passed."""
+    if not enabled() or name is None:
         return
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        done = glob.glob(os.path.join(directory(), "*.sock")) + glob.glob(os.path.join(directory(), "*.refused"))
-        if len(done) >= count:
+        if any(os.path.exists(os.path.join(directory(), f"{name}.{end}")) for end in ("sock", "refused")):
             return
         time.sleep(0.2)
 

@@ -21,7 +21,7 @@ import sys
 # Signals a parent may send to "the rank" that this process must pass on. SIGKILL and SIGSTOP cannot be caught:
 # SIGKILL ends this process, and the server then kills the forked one.
 FORWARDED = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)]
-# A full run of the suite starts about 17 (each rank of each environment has its own); each holds a few hundred MB.
+# A full run of the suite starts a few (every rank shares one: see server.RANK_VARIABLES); each holds a few hundred MB.
 MAX_SERVERS = 32
 MAX_FDS = 250  # what one message can carry (the kernel's SCM_MAX_FD is 253)
 
@@ -34,11 +34,12 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, *argv])
     pid, conn = _fork_remote(where, argv, inherited) if where and os.path.isdir(where) else (None, None)
     if pid is None:
-        # No server fits this environment yet: this run is an ordinary process, and a server starts for the next.
+        # No server fits this environment yet: this run is an ordinary process, and a server starts for the next
+        # one, if this environment has asked before (a server's imports cost what a real process's do).
         if where and os.path.isdir(where):
             _note_fallback(where, argv)
             if os.environ.get("LFSDP_FORKSERVER_START", "1") != "0":
-                start_server(where, dict(os.environ))
+                start_server(where, dict(os.environ), at_once=False)
         os.execv(sys.executable, [sys.executable, *argv])
     for sig in FORWARDED:
         try:
@@ -118,10 +119,13 @@ def _note_fallback(where: str, argv: list[str]) -> None:
         pass
 
 
-def start_server(where: str, env: dict) -> None:
-    """Start a server for ``env``, unless one is already starting for it or there are enough."""
+def start_server(where: str, env: dict, at_once: bool = True) -> str | None:
+    """Start a server for ``env``, unless one is already starting for it or there are enough; return its name.
+
+    ``at_once=False``: only on the second request of this environment, so that an environment asked for once in a
+    session (one test's odd variable) costs one real process, not that and a server's imports as well."""
     if len(glob.glob(os.path.join(where, "*.log"))) >= MAX_SERVERS:  # one log per server ever started
-        return
+        return None
     keys = set()
     for path in glob.glob(os.path.join(where, "keys-*.json")):
         try:
@@ -129,21 +133,30 @@ def start_server(where: str, env: dict) -> None:
                 keys.update(json.load(f))
         except (OSError, ValueError):
             pass
-    from_env = {k: env.get(k) for k in sorted(keys | {"RANK", "LOCAL_RANK"})}
+    from_env = {k: env.get(k) for k in sorted(keys)}
     name = hashlib.sha1(json.dumps(from_env, sort_keys=True).encode()).hexdigest()[:16]
     if os.path.exists(os.path.join(where, f"{name}.refused")):
-        return
-    try:
-        fd = os.open(os.path.join(where, f"{name}.starting"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    os.close(fd)
+        return None
+    if not at_once and _claim(where, f"{name}.asked"):
+        return None  # the first request of this environment: a real process, and no server yet
+    if not _claim(where, f"{name}.starting"):
+        return name  # starting already
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
     with open(os.path.join(where, f"{name}.log"), "ab") as log:
         # A session of its own, so that a signal to this process's group (torchrun stops a rank that way) never
         # reaches the server; no inherited pipes, so that whoever reads this process's output sees it end.
         subprocess.Popen([sys.executable, server, where, name], env=env, stdin=subprocess.DEVNULL, stdout=log,
                          stderr=log, start_new_session=True, close_fds=True)
+    return name
+
+
+def _claim(where: str, file: str) -> bool:
+    """Create ``file`` in ``where``: True for the one process that created it, False for every later one."""
+    try:
+        os.close(os.open(os.path.join(where, file), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _open_fds() -> list[int]:

@@ -48,6 +48,14 @@ PR_SET_PDEATHSIG = 1
 LEAK_CHECKED = ("triton",)
 
 
+# The variables that give a process its rank. At import, Lightning and torchmetrics read them only to set the rank
+# their rank-zero-only functions compare with 0, so one server serves every rank: a forked child sets those ranks
+# again from its own environment (``_set_ranks``). Where any other module reads one of them at import, it is compared
+# like every other variable, and each rank needs a server of its own.
+RANK_VARIABLES = {"RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"}
+RANK_READERS = {"lightning.fabric.utilities.rank_zero", "torchmetrics.utilities.prints"}
+
+
 # Modules that read the whole environment at import, looking for variables of one prefix. Their reads are compared
 # by that prefix; a module not listed here that scans the environment stops the server from serving at all, since
 # then there is no telling which variables a forked process would have read.
@@ -55,29 +63,39 @@ SCANNERS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
 
 
 def preload() -> tuple:
-    """Import PRELOAD; return the environment variables the imports read, and the prefixes that scanners read."""
+    """Import PRELOAD; return the environment variables the imports read (less the rank variables that this server
+    sets again in each child), the prefixes that scanners read, and the modules that read every variable."""
     read, scanned, unknown = set(), set(), set()
+    rank_readers = set()
     original = os.environ
 
-    def reader() -> str:
-        frame = sys._getframe(2)
+    def reader(depth: int = 2) -> str:
+        """The module whose code read the environment, ``depth`` frames up (past ``os``, import machinery, and
+        Recording's own methods, of which ``get`` reads through ``__getitem__``)."""
+        frame = sys._getframe(depth)
         while frame is not None and (frame.f_globals.get("__name__") in ("os", "_collections_abc")
+                                     or frame.f_globals is globals()
                                      or frame.f_code.co_filename.startswith("<frozen")):
             frame = frame.f_back
         return frame.f_globals.get("__name__", "") if frame is not None else ""
 
+    def note(key) -> None:
+        read.add(key)
+        if key in RANK_VARIABLES:
+            rank_readers.add(reader(depth=3))  # past reader() itself, this function and the Recording method
+
     class Recording(os._Environ):
         def __getitem__(self, key):
             if reader() not in SCANNERS:
-                read.add(key)
+                note(key)
             return super().__getitem__(key)
 
         def __contains__(self, key):
-            read.add(key)
+            note(key)
             return super().__contains__(key)
 
         def get(self, key, default=None):
-            read.add(key)
+            note(key)
             return super().get(key, default)
 
         def __iter__(self):
@@ -98,6 +116,10 @@ def preload() -> tuple:
                 pass
     finally:
         os.environ = original
+    if rank_readers <= RANK_READERS:
+        read -= RANK_VARIABLES
+    print(f"rank variables read at import by {sorted(rank_readers)}:"
+          f" {'set again in each child' if rank_readers <= RANK_READERS else 'compared'}", flush=True)
     return read, tuple(scanned), unknown
 
 
@@ -325,11 +347,24 @@ def become(request: dict) -> None:
         # which frozen objects would be: at exit, put them back in reach of the interpreter's last collection (which
         # comes after every exit handler). Exit then costs what a new interpreter's does.
         atexit.register(gc.unfreeze)
+    _set_ranks()
     # A new interpreter draws new seeds; a forked one would repeat the server's.
     import torch
     torch.default_generator.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def _set_ranks() -> None:
+    """Set again what RANK_READERS set at import from the rank variables, from this process's environment, with each
+    module's own expression: the rank their rank-zero-only functions compare with 0.
+    ``tests/test_forkserver.py`` checks the result against fresh interpreters on every CI leg."""
+    fabric = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if fabric is not None:
+        fabric.rank_zero_only.rank = fabric._get_rank() or 0
+    metrics = sys.modules.get("torchmetrics.utilities.prints")
+    if metrics is not None:
+        metrics.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
 
 
 def _reopen_stdio(unbuffered: bool, present: set) -> None:
