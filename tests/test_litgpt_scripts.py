@@ -67,9 +67,10 @@ def base(tmp_path_factory) -> Path:
     return tiny.build_checkpoint(tmp_path_factory.mktemp("litgpt") / "tiny-llama")
 
 
-def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str, str] | None = None) -> None:
-    """Run ``litgpt COMMAND ARGS`` as ``how``: ``single`` (litgpt itself, devices=1), ``ours`` or ``ddp`` (2 ranks)."""
-    # Every process of the run is forked from a warm server (tests/forkserver).
+def start(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str, str] | None = None
+          ) -> tuple[str, Path, subprocess.Popen]:
+    """Start ``litgpt COMMAND ARGS`` as ``how``: ``single`` (litgpt itself, devices=1), ``ours`` or ``ddp`` (2 ranks).
+    Its output goes to a log file in ``cwd`` (a pipe nobody reads while another run is awaited could fill)."""
     environ = script_env(PYTHONPATH=os.pathsep.join([str(LITGPT), os.environ.get("PYTHONPATH", "")]),
                          LITGPT_AS_USER_STRATEGY=how, **(env or {}))
     if how == "single":
@@ -77,10 +78,32 @@ def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str,
     else:
         cmd = [forkserver.python(), "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(AS_USER), command, *args, "--devices", "2"]
-    proc = subprocess.run(cmd, env=environ, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"litgpt {command} ({how}) exited with status {proc.returncode}; log tail:\n"
-                    f"{(proc.stdout + proc.stderr)[-6000:]}")
+    cwd.mkdir(parents=True, exist_ok=True)
+    log = cwd / f"{command}-{how}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    return f"litgpt {command} ({how})", log, proc
+
+
+def finish(*started: tuple[str, Path, subprocess.Popen]) -> None:
+    """Wait for every started run; fail, with its log's tail, on the first that did not exit 0."""
+    for name, log, proc in started:
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            for _, _, other in started:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
+            pytest.fail(f"{name} exited with status {proc.returncode}; log tail:\n{log.read_text()[-6000:]}")
+
+
+def litgpt(command: str, args: list[str], *, how: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+    """Run ``litgpt COMMAND ARGS`` as ``how`` (see :func:`start`) to its end."""
+    finish(start(command, args, how=how, cwd=cwd, env=env))
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -109,13 +132,16 @@ def check_close(name: str, outs: dict[str, Path], start: dict[str, torch.Tensor]
 
 
 def run_three(command: str, args: list[str], tmp_path: Path, *, reference_base: Path | None = None) -> dict[str, Path]:
-    """Run ``litgpt COMMAND BASE ARGS`` as single, ours and ddp; the first of ``args`` is the base checkpoint, which
-    ``reference_base`` replaces for the single and ddp runs."""
-    outs = {}
+    """Run ``litgpt COMMAND BASE ARGS`` as single, ours and ddp, side by side, each in a working directory of its
+    own; the first of ``args`` is the base checkpoint, which ``reference_base`` replaces for the single and ddp
+    runs."""
+    outs, started = {}, []
     for how in ("single", "ours", "ddp"):
         outs[how] = tmp_path / how
         base = args[0] if reference_base is None or how == "ours" else str(reference_base)
-        litgpt(command, [base, *args[1:], "--out_dir", str(outs[how])], how=how, cwd=tmp_path)
+        started.append(start(command, [base, *args[1:], "--out_dir", str(outs[how])], how=how,
+                             cwd=tmp_path / f"cwd-{how}"))
+    finish(*started)
     return outs
 
 
@@ -175,12 +201,15 @@ def test_pretrain_resume(base, tmp_path):
         ]
 
     nodynamo = {"TORCHDYNAMO_DISABLE": "1"}
-    start = ["--initial_checkpoint_dir", str(base)]
+    initial = ["--initial_checkpoint_dir", str(base)]
     outs = {how: tmp_path / how for how in ("single", "ours", "ddp")}
-    litgpt("pretrain", [*args(4), *start, "--out_dir", str(outs["single"])], how="single", cwd=tmp_path, env=nodynamo)
-    litgpt("pretrain", [*args(2), *start, "--out_dir", str(outs["ours"])], how="ours", cwd=tmp_path, env=nodynamo)
-    assert (outs["ours"] / "step-00000002" / "lit_model.pth").exists()
-    litgpt("pretrain", [*args(4), "--resume", "true", "--out_dir", str(outs["ours"])], how="ours", cwd=tmp_path,
+    # The single and ddp runs go side by side with ours, which stops, then resumes; each in a directory of its own.
+    others = [start("pretrain", [*args(4), *initial, "--out_dir", str(outs[how])], how=how, cwd=tmp_path / f"cwd-{how}",
+                    env=nodynamo) for how in ("single", "ddp")]
+    litgpt("pretrain", [*args(2), *initial, "--out_dir", str(outs["ours"])], how="ours", cwd=tmp_path / "cwd-ours",
            env=nodynamo)
-    litgpt("pretrain", [*args(4), *start, "--out_dir", str(outs["ddp"])], how="ddp", cwd=tmp_path, env=nodynamo)
+    assert (outs["ours"] / "step-00000002" / "lit_model.pth").exists()
+    litgpt("pretrain", [*args(4), "--resume", "true", "--out_dir", str(outs["ours"])], how="ours",
+           cwd=tmp_path / "cwd-ours", env=nodynamo)
+    finish(*others)
     check_close("final/lit_model.pth", outs, start=weights(base / "lit_model.pth"))

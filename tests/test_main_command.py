@@ -11,13 +11,32 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(cwd: Path, *args: str) -> str:
-    proc = subprocess.run(
-        ["bash", str(ROOT / "examples" / "train.sh"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
-    output = proc.stdout + proc.stderr
+FULL_VARIANT = ["--steps", "20", "--resume-steps", "10", "--log-every", "10", "--state-dict-type", "full"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both runs, started side by side: each leaves a core idle much of its time (start-up, the second process's
+    start, saving, loading), so together they take little more than the longer one alone. Each runs in a folder of
+    its own, where the default relative ``--out`` lands."""
+    started = {}
+    for name, args in (("default", []), ("full", FULL_VARIANT)):
+        folder = tmp_path_factory.mktemp(name)
+        args = args + (["--out", str(folder / "ck")] if args else [])
+        started[name] = (folder, subprocess.Popen(["bash", str(ROOT / "examples" / "train.sh"), *args], cwd=folder,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    yield started
+    for _, proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _finished(runs: dict, name: str) -> tuple[Path, str]:
+    folder, proc = runs[name]
+    output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-6000:]
-    return output
+    return folder, output
 
 
 def _val(output: str, label: str) -> float:
@@ -26,8 +45,8 @@ def _val(output: str, label: str) -> float:
     return float(match.group(1))
 
 
-def test_readme_main_command_trains_saves_and_resumes(tmp_path):
-    output = _run(tmp_path)  # relative default --out lands in tmp_path
+def test_readme_main_command_trains_saves_and_resumes(runs):
+    tmp_path, output = _finished(runs, "default")  # the relative default --out lands in its folder
     before = _val(output, "before training")
     after = _val(output, r"after \d+ steps")
     assert after < before - 0.5, f"loss did not go down enough: {before} -> {after}"
@@ -37,9 +56,8 @@ def test_readme_main_command_trains_saves_and_resumes(tmp_path):
     assert str(checkpoint) in output
 
 
-def test_full_checkpoint_variant_loads_without_the_package(tmp_path):
-    output = _run(tmp_path, "--steps", "20", "--resume-steps", "10", "--log-every", "10", "--state-dict-type", "full",
-                  "--out", str(tmp_path / "ck"))
+def test_full_checkpoint_variant_loads_without_the_package(runs):
+    tmp_path, output = _finished(runs, "full")
     assert "resumed from step 20" in output, output[-3000:]
     files = sorted((tmp_path / "ck").glob("*.pt"))
     assert [f.name for f in files] == ["step-000020.pt", "step-000030.pt"], files
