@@ -95,8 +95,15 @@ class Launch:
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"
         if not path.is_file():
-            pytest.fail(f"case {name!r} wrote no result on rank {rank}; launch log tail:\n{self.log[-6000:]}")
+            pytest.fail(f"case {name!r} wrote no result on rank {rank}{self.stalls(name)}; launch log tail:\n"
+                        f"{self.log[-6000:]}")
         return json.loads(path.read_text())
+
+    def stalls(self, name: str) -> str:
+        """The stacks of the ranks that were still in case ``name`` after ``harness.STALL_S``, if any were."""
+        found = sorted(self.out.glob(f"{name}.rank*.stacks.txt"))
+        return "".join(f"\n--- {path.name}: still running after harness.STALL_S ---\n{path.read_text()[-4000:]}"
+                       for path in found)
 
     def check(self, name: str) -> list[dict]:
         """Fail unless the case passed on every rank; return each rank's details."""
@@ -104,7 +111,7 @@ class Launch:
         for rank in range(self.world_size):
             record = self.result(name, rank)
             if not record["ok"]:
-                pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}")
+                pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}{self.stalls(name)}")
             details.append(record["details"])
         if self.returncode not in (0, None) and not self._a_case_failed():
             pytest.fail(

@@ -13,6 +13,7 @@ naming what it left behind. ``tests/test_isolation.py`` shows the guard failing 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -32,6 +33,9 @@ CASES: list[Callable[[], Any]] = []
 POOLED = False
 POOL_FAILED = False
 TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")))
+# A case still running after this long has its threads' stacks written to ``<case>.rank<r>.stacks.txt`` (the pytest
+# side shows them with the failure): the clue to where a rank stalls while the other waits out a collective's timeout.
+STALL_S = 0.75 * TIMEOUT.total_seconds()
 
 
 def case(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -52,6 +56,8 @@ def run_cases() -> None:
     for fn in CASES:
         if only and fn.__name__ not in only:
             continue
+        stacks = open(out / f"{fn.__name__}.rank{rank()}.stacks.txt", "w")  # noqa: SIM115 - closed below
+        faulthandler.dump_traceback_later(STALL_S, file=stacks)
         before = isolation.snapshot()
         started = time.perf_counter()
         try:
@@ -61,6 +67,10 @@ def run_cases() -> None:
         # What the case cost inside its launch: pytest sees only the launch (conftest.py lists the slowest cases).
         record["seconds"] = round(time.perf_counter() - started, 3)
         left = isolation.leaks(before)
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
+        if not os.path.getsize(stacks.name):
+            os.unlink(stacks.name)
         if left:
             message = f"case {fn.__name__} leaked state into the cases after it:\n  " + "\n  ".join(left)
             record = {"ok": False, "error": record.get("error", "") + message + "\n"}
