@@ -539,21 +539,31 @@ def fabric_layouts_free_every_unit_after_forward():
     return out
 
 
+FLOOR_RUNS, MORE_RUNS = 3, 5  # runs of each front always taken; further runs while their floors differ
+
+
 @case
 def trainer_peak_of_one_step_equals_fabric_within_2_percent():
     out = {}
     for label, build, policy, batch_fn in both_fronts_layouts():
-        # The lowest of three runs on each rank, then over both ranks (which hold equal shards here): gloo's worker
+        # The floor of several runs on each rank, then over both ranks (which hold equal shards here): gloo's worker
         # thread drops its reference to a collective's buffer a moment after the call returns, so on some runs a
-        # buffer of up to one unit's size is still counted when the next peak is reached. The floor is exact.
-        trainer_peak = lowest(fit_trainer(one("model", build), through("model"), policy, batch_fn=batch_fn,
-                                          peak=True)[1] for _ in range(3))
-        fabric_peak = lowest(fabric_step(build, policy, batch_fn=batch_fn, peak=True)[1] for _ in range(3))
-        ratio = trainer_peak / fabric_peak
-        out[label] = {"trainer": trainer_peak, "fabric": fabric_peak, "ratio": round(ratio, 4)}
+        # buffer of up to one unit's size is still counted when the next peak is reached. The floor is exact; a
+        # busy machine delays that thread more often, so up to MORE_RUNS further runs of both fronts are taken while
+        # the floors differ (each run can only lower a floor: a front that holds more every time still fails).
+        trainer_peaks, fabric_peaks = [], []
+        for run in range(FLOOR_RUNS + MORE_RUNS):
+            trainer_peaks.append(fit_trainer(one("model", build), through("model"), policy, batch_fn=batch_fn,
+                                             peak=True)[1])
+            fabric_peaks.append(fabric_step(build, policy, batch_fn=batch_fn, peak=True)[1])
+            trainer_peak, fabric_peak = lowest(trainer_peaks), lowest(fabric_peaks)
+            ratio = trainer_peak / fabric_peak
+            if run + 1 >= FLOOR_RUNS and 0.98 <= ratio <= 1.02:
+                break
+        out[label] = {"trainer": trainer_peak, "fabric": fabric_peak, "ratio": round(ratio, 4), "runs": run + 1}
         if not 0.98 <= ratio <= 1.02:
             raise AssertionError(f"{label}: the Trainer's peak of one step is {trainer_peak} bytes, Fabric's"
-                                 f" {fabric_peak} ({ratio:.3f}x); all: {out}")
+                                 f" {fabric_peak} ({ratio:.3f}x) after {run + 1} runs of each; all: {out}")
     return out
 
 
