@@ -95,15 +95,22 @@ class Launch:
     def result(self, name: str, rank: int) -> dict:
         path = self.out / f"{name}.rank{rank}.json"
         if not path.is_file():
-            pytest.fail(f"case {name!r} wrote no result on rank {rank}{self.stalls(name)}; launch log tail:\n"
+            if (self.out / f"{name}.rank{rank}.stacks.txt").is_file():
+                why = f"rank {rank} ended inside this case (a crash or a kill; its stacks, if it had any, follow)"
+            else:
+                elsewhere = [str(p.relative_to(self.out.parent)) for p in _died_in(self.out.parent, rank)]
+                why = (f"the case never started on rank {rank}; the rank ended earlier, in {', '.join(elsewhere)}"
+                       if elsewhere else f"rank {rank} never reached it")
+            pytest.fail(f"case {name!r} wrote no result on rank {rank}: {why}{self.stalls(name)}\nlaunch log tail:\n"
                         f"{self.log[-6000:]}")
         return json.loads(path.read_text())
 
     def stalls(self, name: str) -> str:
-        """The stacks of the ranks that were still in case ``name`` after ``harness.STALL_S``, if any were."""
-        found = sorted(self.out.glob(f"{name}.rank*.stacks.txt"))
-        return "".join(f"\n--- {path.name}: still running after harness.STALL_S ---\n{path.read_text()[-4000:]}"
-                       for path in found)
+        """The stacks that faulthandler wrote for case ``name``: of a rank still in it after ``harness.STALL_S``, or
+        of a rank that a fatal signal (a segfault, an abort) ended in it."""
+        found = sorted(p for p in self.out.glob(f"{name}.rank*.stacks.txt") if p.stat().st_size)
+        return "".join(f"\n--- {path.name}: written by faulthandler (a stall or a fatal signal) ---\n"
+                       f"{path.read_text()[-4000:]}" for path in found)
 
     def check(self, name: str) -> list[dict]:
         """Fail unless the case passed on every rank; return each rank's details."""
@@ -163,7 +170,7 @@ def start_pools(root: Path) -> None:
         forkserver.wait_until_serving(server)
         for key in keys:
             scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
-            _run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))
+            _POOL_LAUNCHES[key] = run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))
 
     thread = threading.Thread(target=run_all, name="pools", daemon=True)
     for key in keys:
@@ -171,18 +178,65 @@ def start_pools(root: Path) -> None:
     thread.start()
 
 
-def _run_pool(key: tuple, out: Path, scripts: list[str]) -> None:
+# A pool whose rank died inside a case (a segfault, say) is started again this many times at most, for the cases after
+# that one: the case it died in fails, showing its stacks, and the cases after it still run and report.
+POOL_RESTARTS = 2
+
+
+def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int | None, list[str]]:
+    """Run ``scripts``' cases in one ``workers/pool.py`` launch into ``out``; return ``(out, log, torchrun's exit
+    status, scripts)``."""
     nproc, env = key[0], dict(key[1])
-    try:
-        # The pools' ranks are real processes: in forked ones, held_memory's live-tensor count found a whole model
-        # still alive after the scripts before it had run in the same process (not yet understood; alone, forked,
-        # it passes). torchrun itself is forked.
-        proc = subprocess.run(torchrun("pool.py", nproc),
-                              env=worker_env(out, forked=False, LFSDP_TEST_SCRIPTS=",".join(scripts), **env),
-                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-        _POOL_LAUNCHES[key] = (out, proc.stdout + proc.stderr, proc.returncode, scripts)
-    except subprocess.TimeoutExpired as err:
-        _POOL_LAUNCHES[key] = (out, f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}", None, scripts)
+    logs, skip = [], out / "_skip.txt"
+    for attempt in range(1 + POOL_RESTARTS):
+        extra = {"LFSDP_TEST_SKIP_FILE": str(skip)} if attempt else {}
+        try:
+            # The pools' ranks are real processes: in forked ones, held_memory's live-tensor count found a whole
+            # model still alive after the scripts before it had run in the same process (not yet understood; alone,
+            # forked, it passes). torchrun itself is forked.
+            proc = subprocess.run(torchrun("pool.py", nproc),
+                                  env=worker_env(out, forked=False, LFSDP_TEST_SCRIPTS=",".join(scripts), **extra,
+                                                 **env),
+                                  capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired as err:
+            logs.append(f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}")
+            return out, "\n".join(logs), None, scripts
+        logs.append(proc.stdout + proc.stderr)
+        if proc.returncode == 0 or attempt == POOL_RESTARTS:
+            break
+        died_in = _first_unfinished(out, nproc)
+        if died_in is None:  # every case that started ended on every rank: cases failed, no rank died in one
+            break
+        logs.append(f"=== the pool lost a rank in case {died_in}; started again for the cases after it")
+    return out, "\n".join(logs), proc.returncode, scripts
+
+
+def _first_unfinished(out: Path, nproc: int) -> str | None:
+    """The first case (``<script stem>/<case>``, in the order the pool ran them) that some rank started and wrote no
+    result for: the case a rank died in. Before the pool starts again, it goes into the skip file with every case
+    before it, so the next start runs, on every rank alike, the cases after it; what the surviving ranks wrote for
+    those (failures to reach the dead rank, mostly) is removed, to be written again."""
+    skip = out / "_skip.txt"
+    skipped = set(skip.read_text().split()) if skip.is_file() else set()
+    logs = [out / f"_started.rank{rank}.txt" for rank in range(nproc)]
+    started = max((log.read_text().split() if log.is_file() else [] for log in logs), key=len)
+    order = [name for name in dict.fromkeys(started) if name not in skipped]
+    finished = [all((out / f"{name}.rank{rank}.json").is_file() for rank in range(nproc)) for name in order]
+    if all(finished):
+        return None
+    first = finished.index(False)
+    skip.write_text("\n".join(sorted(skipped | set(order[:first + 1]))))
+    for name in order[first + 1:]:
+        for path in out.glob(f"{name}.rank*.*"):
+            path.unlink()
+    return order[first]
+
+
+def _died_in(root: Path, rank: int) -> list[Path]:
+    """The cases under ``root`` (a launch's folder, or a pool's) that rank ``rank`` started and never finished: their
+    stacks file, which ``harness.run_cases`` removes when a case ends, is there and their result is not."""
+    return [stacks for stacks in sorted(root.glob(f"**/*.rank{rank}.stacks.txt"))
+            if not stacks.with_name(stacks.name.replace(".stacks.txt", ".json")).is_file()]
 
 
 def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]) -> Launch:
@@ -197,7 +251,7 @@ def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]
         scripts = list(dict.fromkeys(members + [script]))
         if len(scripts) == 1:
             return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)
-        _run_pool(key, tmp_path_factory.mktemp(f"pool{nproc}"), scripts)
+        _POOL_LAUNCHES[key] = run_pool(key, tmp_path_factory.mktemp(f"pool{nproc}"), scripts)
     out, log, returncode, scripts = _POOL_LAUNCHES[key]
     if script not in scripts:  # not selected when the pool started (cannot happen in one session; kept safe)
         return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **env)

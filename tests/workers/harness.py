@@ -36,6 +36,11 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")
 # A case still running after this long has its threads' stacks written to ``<case>.rank<r>.stacks.txt`` (the pytest
 # side shows them with the failure): the clue to where a rank stalls while the other waits out a collective's timeout.
 STALL_S = 0.75 * TIMEOUT.total_seconds()
+# Set by ``pool.py``: the file where this rank appends "<script stem>/<case>" as each case starts. A pool that lost a
+# rank inside a case is started again for the cases after that one (``launch.run_pool``), skipping, on every rank
+# alike, the cases named in the file LFSDP_TEST_SKIP_FILE.
+STARTED = None
+SKIP_FILE = os.environ.get("LFSDP_TEST_SKIP_FILE")
 
 
 def case(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -51,12 +56,19 @@ def run_cases() -> None:
     out = Path(os.environ["LFSDP_TEST_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, os.environ.get("LFSDP_TEST_ONLY", "").split(",")))
+    done = set(Path(SKIP_FILE).read_text().split()) if SKIP_FILE else set()
     torch.set_num_threads(1)
     failed = False
     for fn in CASES:
-        if only and fn.__name__ not in only:
+        if (only and fn.__name__ not in only) or f"{out.name}/{fn.__name__}" in done:
             continue
+        # The stacks file exists while the case runs, so a rank that dies in the case leaves it behind (the pytest
+        # side tells the case it died in from the cases it never reached). faulthandler writes every thread's stack
+        # there on a fatal signal (a segfault, an abort) as well as on a stall.
         stacks = open(out / f"{fn.__name__}.rank{rank()}.stacks.txt", "w")  # noqa: SIM115 - closed below
+        if STARTED is not None:
+            print(f"{out.name}/{fn.__name__}", file=STARTED, flush=True)
+        faulthandler.enable(file=stacks, all_threads=True)
         faulthandler.dump_traceback_later(STALL_S, file=stacks)
         before = isolation.snapshot()
         started = time.perf_counter()
@@ -68,6 +80,7 @@ def run_cases() -> None:
         record["seconds"] = round(time.perf_counter() - started, 3)
         left = isolation.leaks(before)
         faulthandler.cancel_dump_traceback_later()
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         stacks.close()
         if not os.path.getsize(stacks.name):
             os.unlink(stacks.name)

@@ -25,6 +25,8 @@ def main() -> None:
     root = Path(os.environ["LFSDP_TEST_OUT"])
     scripts = os.environ["LFSDP_TEST_SCRIPTS"].split(",")
     harness.POOLED = True
+    root.mkdir(parents=True, exist_ok=True)
+    harness.STARTED = open(root / f"_started.rank{harness.rank()}.txt", "a")  # noqa: SIM115 - open until exit
     for script in scripts:
         os.environ["LFSDP_TEST_OUT"] = str(root / Path(script).stem)
         harness.CASES.clear()
