@@ -282,6 +282,47 @@ def test_a_file_model_and_its_policy_class_are_one_class(models_dir):
     assert [u["unit"] for u in json.loads(proc.stdout)["units"]] == ["blocks.0", "blocks.1", "blocks.2"], proc.stdout
 
 
+class _CalledTwice(torch.nn.Module):
+    """One FSDP unit that runs twice in each forward: torch's tracker keeps one set of statistics for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inner(torch.relu(self.inner(x)))))
+
+
+# name -> (model, batch, options): layouts where the two trackers' bookkeeping could part.
+TRACKED = {
+    "checkpointed_blocks": (None, None, dict(world_size=2, auto_wrap_policy={train_gpt.Block},
+                                             activation_checkpointing_policy={train_gpt.Block})),
+    "shard_grad_op_bf16_sgd_4_ranks": (None, None, dict(world_size=4, sharding_strategy="SHARD_GRAD_OP",
+                                                        precision="bf16-mixed", optimizer="sgd",
+                                                        auto_wrap_policy={train_gpt.Block})),
+    "root_only_one_rank": (None, None, dict(world_size=1)),
+    "a_unit_called_twice": (_CalledTwice, lambda: torch.randn(4, 32),
+                            dict(world_size=2, auto_wrap_policy={torch.nn.Linear}, reshard_after_forward=True)),
+}
+
+
+@pytest.mark.parametrize("name", TRACKED)
+def test_the_planner_s_tracker_plans_exactly_what_torch_s_tracker_does(monkeypatch, name):
+    """The planner runs its step under ``planner.tracker.StepMemTracker``, which keeps torch's ``FSDPMemTracker``
+    bookkeeping but visits only the running modules after each op: every number of the plan must be the same."""
+    from lightning_fsdp.planner import step, tracker
+
+    model, batch, options = TRACKED[name]
+    plans = {}
+    for kind in (tracker.StepMemTracker, tracker.TorchMemTracker):
+        monkeypatch.setattr(step, "TRACKER", kind)
+        plans[kind.__name__] = (plan_memory(model, batch, **options) if model is not None else small_plan(**options))
+    ours, torchs = plans["StepMemTracker"], plans["FSDPMemTracker"]
+    assert ours.ranks == torchs.ranks, (ours.ranks, torchs.ranks)
+    assert all(stats.units and stats.peak_bytes > 0 for stats in ours.ranks.values()), ours.ranks
+
+
 def test_a_plan_holds_the_planned_ranks_only():
     """Nothing of a plan grows with the world size (issue 21, D12): the ranks planned, and any rank answered."""
     plan = small_plan(world_size=64, auto_wrap_policy={train_gpt.Block})

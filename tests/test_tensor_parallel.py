@@ -123,6 +123,19 @@ def test_a_rank_plans_a_quarter_of_each_split_parameter_and_half_of_each_replica
 
 
 @pytest.mark.single_process
+def test_the_planner_s_tracker_plans_a_tensor_parallel_step_exactly_as_torch_s_tracker_does(monkeypatch):
+    """The tensor-parallel step (DTensor ops inside FSDP units) under ``planner.tracker.StepMemTracker`` and under
+    torch's ``FSDPMemTracker``: every number of the plan is the same (``test_planner.py`` checks 1-D layouts)."""
+    from lightning_fsdp.planner import step, tracker
+
+    plans = []
+    for kind in (tracker.StepMemTracker, tracker.TorchMemTracker):
+        monkeypatch.setattr(step, "TRACKER", kind)
+        plans.append(_plan("gpt"))
+    assert plans[0].ranks == plans[1].ranks, [p.ranks for p in plans]
+
+
+@pytest.mark.single_process
 def test_plan_command_takes_the_tensor_parallel_size_and_plan():
     """`lightning-fsdp plan --tensor-parallel-size 2 --tensor-parallel-plan FILE.py:PLAN | JSON | auto`: the plan of
     the Python form, for the (shard, tp) mesh. Several tensor-parallel plans in one process give the same bytes (the

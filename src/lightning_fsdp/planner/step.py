@@ -3,7 +3,8 @@
 How: a *fake* process group of the planned world size (collectives that move no data), torch's ``FakeTensorMode``
 (tensors with shapes and dtypes but no storage), and torch's ``FSDPMemTracker``, which attributes every tensor that
 would be alive to a category (sharded parameters, gathered parameters, gradients, optimizer state, activations,
-communication buffers) and records the peak per FSDP unit, in forward and in backward. The model goes through the
+communication buffers) and records the peak per FSDP unit, in forward and in backward (``tracker.py`` makes its
+per-op bookkeeping cheaper, changing no number). The model goes through the
 strategy's own :func:`~lightning_fsdp.engine.sharding.shard_model`, so units, activation checkpointing, resharding and
 mixed precision are the ones a real run gets.
 
@@ -39,10 +40,13 @@ from lightning_fsdp.engine.mesh import build_mesh, tensor_parallel_mesh
 from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.engine.sharding import shard_model
 from lightning_fsdp.planner.real_mesh import RealMeshIndices
+from lightning_fsdp.planner.tracker import StepMemTracker
 
 __all__ = ["StepStats", "UnitStats", "run_step", "OPTIMIZERS", "PlanningError"]
 
 FakeStore, FakeTensorMode, FSDPMemTracker, (PEAK_FW, PEAK_BW) = planner_tools()
+# The tracker each planned step runs under: torch's, with cheaper bookkeeping (``tracker.py``; tests compare the two).
+TRACKER: type = StepMemTracker
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -192,7 +196,7 @@ def run_step(
                 opt.zero_grad(set_to_none=True)
             else:
                 _create_optimizer_state(opt)
-            tracker = FSDPMemTracker(_tracked_root(sharded.roots, module), opt)
+            tracker = TRACKER(_tracked_root(sharded.roots, module), opt)
             tracker.track_inputs((args, kwargs))
             with tracker:
                 forward_backward()
