@@ -94,6 +94,13 @@ def planner_tools():
     return FakeStore, FakeTensorMode, FSDPMemTracker, (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
 
 
+def tracker_total_key() -> str:
+    """The key under which torch's memory tracker keeps a device's total in each snapshot (its ``_TOTAL_KEY``)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    return _TOTAL_KEY
+
+
 def real_mesh_dispatch():
     """What the planner needs to keep a DeviceMesh's rank table real under fake tensors: torch's base class of dispatch
     modes, the context that steps outside the active ``FakeTensorMode``, and the mesh's rank table itself. Every

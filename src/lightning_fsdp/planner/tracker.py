@@ -17,14 +17,14 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any
 
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_fsdp._base.compat import planner_tools
+from lightning_fsdp._base.compat import planner_tools, tracker_total_key
 
 __all__ = ["StepMemTracker", "TorchMemTracker"]
 
 TorchMemTracker = planner_tools()[2]
+_TOTAL_KEY = tracker_total_key()
 
 
 class _CountedWeakIdKeyDictionary(WeakIdKeyDictionary):
