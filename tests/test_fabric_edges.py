@@ -18,6 +18,7 @@ CASES = [
     "fsdp1_keyword_arguments_are_accepted_with_a_warning",
     "all_reduce_mean_stays_in_the_tensor_passed",
     "teardown_works_without_checkpoint_io",
+    "strategies_set_up_one_after_another_share_each_mesh_and_add_no_groups",
 ]
 
 

@@ -20,6 +20,7 @@ CASES = [
     "torch_compile_of_blocks_composes_with_sharding",
     "a_parameter_on_the_lightning_module_itself_is_refused_with_a_hint",
     "collectives_work",
+    "fits_one_after_another_share_the_mesh_and_add_no_process_groups",
 ]
 
 

@@ -344,5 +344,30 @@ def preemption_agreement_is_one_all_reduce_of_one_integer_per_step():
     return {"per_step": per_step}
 
 
+def _process_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+@case
+def strategies_set_up_one_after_another_share_each_mesh_and_add_no_groups():
+    """A sweep sets up strategy after strategy in one process: a mesh of two axes (NO_SHARD's, HYBRID_SHARD's) makes a
+    process group per axis, with its threads and sockets, the first time only; later setups get the same mesh."""
+    report = {}
+    for name, kwargs in (("no_shard", dict(sharding_strategy="NO_SHARD")),
+                         ("hybrid", dict(sharding_strategy="HYBRID_SHARD", device_mesh=(1, WORLD))),
+                         ("full_shard", {})):
+        meshes, groups = [], []
+        for _ in range(3):
+            fabric = make_fabric(WORLD, **kwargs)
+            model, opt = _trained(fabric)  # a step on the mesh, which must still work when shared
+            assert all(torch.isfinite(p.full_tensor()).all() for p in model.parameters()), name
+            meshes.append(fabric.strategy.device_mesh)
+            groups.append(_process_groups())
+        assert meshes[1] is meshes[0] and meshes[2] is meshes[0], f"{name}: a new mesh per setup"
+        assert groups[2] == groups[1] == groups[0], f"{name}: process groups after each setup: {groups}"
+        report[name] = {"mesh": tuple(meshes[0].shape), "groups": groups}
+    return report
+
+
 if __name__ == "__main__":
     run_cases()

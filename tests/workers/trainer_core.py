@@ -382,5 +382,22 @@ def collectives_work():
     return "ok"
 
 
+@case
+def fits_one_after_another_share_the_mesh_and_add_no_process_groups():
+    """Trainer after Trainer in one process (a sweep): NO_SHARD's two-axis mesh makes its process groups the first
+    time only; every later fit trains on the same mesh (``fabric_edges.py`` checks the Fabric front)."""
+    meshes, groups = [], []
+    for _ in range(3):
+        model = LitGPT()
+        trainer = make_trainer(strategy(sharding_strategy="NO_SHARD"), max_epochs=1, limit_train_batches=2)
+        trainer.fit(model, loader())
+        assert trainer.global_step == 2, trainer.global_step
+        meshes.append(trainer.strategy.device_mesh)
+        groups.append(len(dist.distributed_c10d._world.pg_map))
+    assert meshes[1] is meshes[0] and meshes[2] is meshes[0], "a new mesh per fit"
+    assert groups[2] == groups[1] == groups[0], f"process groups after each fit: {groups}"
+    return {"mesh": tuple(meshes[0].shape), "groups": groups}
+
+
 if __name__ == "__main__":
     run_cases()

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.failures import remember_timeout
+from lightning_fsdp._base.per_world import for_this_world
 from lightning_fsdp._base.process_exit import register_exit_handler
 from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
 from lightning_fsdp.engine.tensor_parallel import TP_AXIS
@@ -123,11 +124,17 @@ def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_no
         shape = config.device_mesh or (num_nodes, data_parallel // num_nodes)
         if shape[0] * shape[1] != data_parallel:
             raise ValueError(_mismatch(config.device_mesh or shape, shape, data_parallel, num_nodes, tp))
-        return init_device_mesh(device.type, (*shape, *tp_axis[0]), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
+        return _shared_mesh(device.type, (*shape, *tp_axis[0]), (REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
     if strategy is ShardingStrategy.NO_SHARD:
-        return init_device_mesh(device.type, (data_parallel, 1, *tp_axis[0]),
-                                mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
-    return init_device_mesh(device.type, (data_parallel, *tp_axis[0]), mesh_dim_names=(SHARD_AXIS, *tp_axis[1]))
+        return _shared_mesh(device.type, (data_parallel, 1, *tp_axis[0]), (REPLICATE_AXIS, SHARD_AXIS, *tp_axis[1]))
+    return _shared_mesh(device.type, (data_parallel, *tp_axis[0]), (SHARD_AXIS, *tp_axis[1]))
+
+
+def _shared_mesh(device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
+    """One mesh per shape on the default group, shared by every strategy set up on it: a mesh of two or more axes
+    creates a process group per axis, which would otherwise pile up, setup after setup (``_base/per_world.py``)."""
+    return for_this_world(("device mesh", device_type, tuple(shape), tuple(names)),
+                          lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
