@@ -59,6 +59,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", "slowest 15 cases inside launches (rank 0)")
         for seconds, name in sorted(timed, reverse=True)[:15]:
             terminalreporter.write_line(f"{seconds:7.2f}s {name}")
+    crashes = sorted(path for out in launch.LAUNCHED for path in out.glob("*.crash.txt") if path.stat().st_size)
+    if crashes:
+        terminalreporter.write_sep("=", "cases that ended a rank once and were run again (launch.run_pool)")
+        for path in crashes:
+            first = next((line for line in path.read_text().splitlines() if line.strip()), "")
+            terminalreporter.write_line(f"{path.parent.name}::{path.name}: {first} (stacks in {path})")
     if forkserver.summary():
         terminalreporter.write_line(f"forkserver: {forkserver.summary()}")
 

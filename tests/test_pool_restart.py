@@ -1,30 +1,35 @@
-"""A rank that dies inside a case of a pool (``launch.run_pool``) costs that case, not the pool's cases after it.
+"""A rank that dies inside a case of a pool (``launch.run_pool``) costs at most that case, not the pool's cases after it.
 
-Shown with ``workers/crashy.py``, whose middle case segfaults rank 0 on purpose: that case must fail, naming the
-rank that ended in it and showing faulthandler's stack of the crash; the pool must start again for the cases it had
-not reached, which then pass in new processes; the case before the crash keeps the result of the first start."""
+Shown with ``workers/crashy.py``, whose cases segfault rank 0 on purpose. The pool starts again after each crash and
+runs the case once more: one that crashed only once passes, its first crash's stacks kept beside it (and listed in
+the summary); one that crashes every time fails, naming the rank that ended in it and showing faulthandler's stack.
+The cases after them run in new processes and pass; the case before them keeps the result of the first start."""
 
 from __future__ import annotations
 
-from launch import Launch, run_pool
-
 import pytest
 
+from launch import Launch, run_pool
 
-def test_a_segfault_fails_its_case_and_the_pool_runs_the_cases_after_it(tmp_path):
+
+def test_a_segfault_runs_its_case_again_and_fails_it_only_if_it_crashes_again(tmp_path):
     out, log, returncode, _ = run_pool((2, ()), tmp_path / "pool", ["crashy.py"])
     launch = Launch(out=out / "crashy", world_size=2, log=log, returncode=returncode)
-    assert "the pool lost a rank in case crashy/segfaults_on_rank_0;" in log, log[-3000:]
+    for name in ("segfaults_on_rank_0_in_its_first_run_only", "segfaults_on_rank_0_every_time"):
+        assert f"the pool lost a rank in case crashy/{name};" in log, log[-3000:]
+
+    once = launch.check("segfaults_on_rank_0_in_its_first_run_only")
+    first_crash = (out / "crashy" / "segfaults_on_rank_0_in_its_first_run_only.rank0.crash.txt").read_text()
+    assert "Fatal Python error: Segmentation fault" in first_crash and "_crash_rank_0" in first_crash, first_crash
 
     with pytest.raises(pytest.fail.Exception) as crashed:
-        launch.check("segfaults_on_rank_0")
+        launch.check("segfaults_on_rank_0_every_time")
     message = str(crashed.value)
     assert "rank 0 ended inside this case" in message, message
-    assert "Fatal Python error: Segmentation fault" in message, message
-    assert "in segfaults_on_rank_0" in message, message  # faulthandler's stack names the case's frame
+    assert message.count("Fatal Python error: Segmentation fault") == 2, message  # the first run's and the second's
+    assert "in segfaults_on_rank_0_every_time" in message, message  # faulthandler's stack names the case's frame
 
-    first = launch.check("before_the_crash")
-    after = launch.check("after_the_crash")
-    assert set(after).isdisjoint(first), ("the cases after the crash ran in the processes of the first start", first,
-                                          after)
-    assert returncode == 0, log[-3000:]  # the second start ran only the last case, and it passed
+    first = launch.check("before_the_crashes")
+    after = launch.check("after_the_crashes")
+    assert set(after).isdisjoint(first) and set(once).isdisjoint(first), (first, once, after)
+    assert returncode == 0, log[-3000:]  # the last start ran only the last case, and it passed

@@ -3,7 +3,7 @@
 A 2-D or 3-D ``DeviceMesh`` creates a process group per axis. Each such group keeps its own threads and sockets (for
 gloo: a transport loop thread, worker threads, a connection to every peer) until the default group is destroyed. A
 process that sets up strategy after strategy on one default group (a hyperparameter sweep, a notebook, a test pool)
-kept a new set of them for every setup: 16 of the 26 groups in one process of this project's test pool were meshes'.
+kept a new set of them for every setup, most of the process groups that one process of this project's test pool held.
 A mesh is now built once per shape and default group and shared (``engine/mesh.py``); a new default group (after
 ``destroy_process_group``) starts afresh.
 """
