@@ -232,9 +232,9 @@ def _first_unfinished(out: Path, nproc: int) -> str | None:
         ran = order[:first + 1]
     else:
         # The case a rank ended in runs once more, first in the next start: a crash of native code that the same
-        # case does not repeat (heap corruption found in gloo's transport thread, three times in about twenty runs of
-        # the pool; CONTRIBUTING.md) then costs no test, while the first crash's stacks stay beside the case, and
-        # the summary lists it (conftest.py).
+        # case does not repeat (three times in about twenty runs of the pool, each in a native thread; the one core
+        # dump showed heap corruption caught in gloo's transport thread: CONTRIBUTING.md) then costs no test, while
+        # the first crash's stacks stay beside the case, and the summary lists it (conftest.py).
         ran = order[:first]
         for path in out.glob(f"{dead}.rank*.stacks.txt"):
             path.rename(path.with_name(path.name.replace(".stacks.txt", ".crash.txt")))
