@@ -209,15 +209,15 @@ def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int 
         died_in = _first_unfinished(out, nproc)
         if died_in is None:  # every case that started ended on every rank: cases failed, no rank died in one
             break
-        logs.append(f"=== the pool lost a rank in case {died_in}; started again for the cases after it")
+        logs.append(f"=== the pool lost a rank in case {died_in}; started again for the cases it had not finished")
     return out, "\n".join(logs), proc.returncode, scripts
 
 
 def _first_unfinished(out: Path, nproc: int) -> str | None:
     """The first case (``<script stem>/<case>``, in the order the pool ran them) that some rank started and wrote no
-    result for: the case a rank died in. Before the pool starts again, it goes into the skip file with every case
-    before it, so the next start runs, on every rank alike, the cases after it; what the surviving ranks wrote for
-    those (failures to reach the dead rank, mostly) is removed, to be written again."""
+    result for: the case a rank died in. Before the pool starts again, the cases before it go into the skip file, and
+    the case itself too if it has ended a rank before, so the next start runs, on every rank alike, the rest; what the
+    surviving ranks wrote for those (failures to reach the dead rank, mostly) is removed, to be written again."""
     skip = out / "_skip.txt"
     skipped = set(skip.read_text().split()) if skip.is_file() else set()
     logs = [out / f"_started.rank{rank}.txt" for rank in range(nproc)]
