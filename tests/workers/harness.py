@@ -37,8 +37,8 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("LFSDP_TEST_PG_TIMEOUT", "120")
 # side shows them with the failure): the clue to where a rank stalls while the other waits out a collective's timeout.
 STALL_S = 0.75 * TIMEOUT.total_seconds()
 # Set by ``pool.py``: the file where this rank appends "<script stem>/<case>" as each case starts. A pool that lost a
-# rank inside a case is started again for the cases after that one (``launch.run_pool``), skipping, on every rank
-# alike, the cases named in the file LFSDP_TEST_SKIP_FILE.
+# rank inside a case is started again (``launch.run_pool``): that case runs once more, then the ones after it, every
+# rank alike skipping the cases named in the file LFSDP_TEST_SKIP_FILE.
 STARTED = None
 SKIP_FILE = os.environ.get("LFSDP_TEST_SKIP_FILE")
 

@@ -133,8 +133,8 @@ def build_mesh(config: FSDPConfig, device: torch.device, world_size: int, num_no
 def _shared_mesh(device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
     """One mesh per shape on the default group, shared by every strategy set up on it: a mesh of two or more axes
     creates a process group per axis, which would otherwise pile up, setup after setup (``_base/per_world.py``)."""
-    return for_this_world(("device mesh", device_type, tuple(shape), tuple(names)),
-                          lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
+    return for_this_world(("device mesh", device_type, shape, names),
+                          lambda: init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
