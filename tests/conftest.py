@@ -15,23 +15,28 @@ import launch
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Order the tests so that both cores stay busy while the pools run in the background (``launch.start_pools``,
-    from the end of collection):
+    from the end of collection), and no core idles once they are done:
 
     1. tests marked ``single_process`` (they keep one core busy: the pytest process, or one subprocess at a time),
        so that they run beside the pools, which fill the other core;
-    2. the other tests of the files that have no pooled script (most start launches of several processes, which
-       fill both cores alone);
-    3. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results, and
-       by then the pools are done, or nearly. A marked test that reads a pool's results stays here.
+    2. the other tests of the files that have no pooled script: most start launches of several processes, one
+       after another, and leave a core idle part of the time (start-up, rendezvous, saving), which the pools fill;
+    3. the tests marked ``fills_both_cores`` (several processes at once, busy throughout), which need no pool
+       beside them: by then the pools are done, or nearly;
+    4. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results. A
+       marked test that reads a pool's results stays here.
 
     The order within each group stays as collected. A file stays in one piece except for its marked tests: a
-    module-scoped fixture shared by tests in two groups would be set up twice."""
+    module-scoped fixture shared by tests in two groups would be set up twice, so mark a whole file
+    (``pytestmark``) where its tests share one."""
     def group(item) -> int:
         module = getattr(getattr(item, "module", None), "__name__", "")
         reads_a_pool = bool(launch.POOL_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())))
         if item.get_closest_marker("single_process") and not reads_a_pool:
             return 0
-        return 2 if module in launch.POOL_FIXTURES else 1
+        if module in launch.POOL_FIXTURES:
+            return 3
+        return 2 if item.get_closest_marker("fills_both_cores") else 1
 
     items.sort(key=group)
 
@@ -65,6 +70,11 @@ def pytest_terminal_summary(terminalreporter):
         for path in crashes:
             first = next((line for line in path.read_text().splitlines() if line.strip()), "")
             terminalreporter.write_line(f"{path.parent.name}::{path.name}: {first} (stacks in {path})")
+    if launch.POOL_TIMES:
+        terminalreporter.write_sep("=", "the launch pools (seconds after they started)")
+        for name, (scripts, start, end) in launch.POOL_TIMES.items():
+            terminalreporter.write_line(f"{name}: {scripts} scripts, {start:.0f} s to {end:.0f} s ({end - start:.0f} s)")
+        terminalreporter.write_line(f"tests waited {launch.POOL_WAIT_S:.0f} s for the background pools")
     if forkserver.summary():
         terminalreporter.write_line(f"forkserver: {forkserver.summary()}")
 

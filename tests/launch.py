@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,8 +135,11 @@ class Launch:
         return any(m.is_file() and json.loads(m.read_text())["code"] != 0 for m in markers)
 
 
-def launch(script: str, nproc: int, tmp: Path, **env: str) -> Launch:
+def launch(script: str, nproc: int, tmp: Path, **env) -> Launch:
+    """One launch of ``script`` on ``nproc`` ranks, results in ``tmp/<script stem>``; ``env``: :func:`worker_env`'s
+    keywords. Its ranks are forked unless the script is in :data:`REAL_RANKS`."""
     out = tmp / Path(script).stem
+    env.setdefault("forked", script not in REAL_RANKS)
     proc = subprocess.run(
         torchrun(script, nproc), env=worker_env(out, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
@@ -152,6 +156,14 @@ SELECTED: set[str] | None = None
 # The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
 # such tests last).
 POOL_FIXTURES: dict[str, set[str]] = {}
+# The scripts whose pool must have real ranks, not ranks forked from a warm server (``case_tests(...,
+# real_ranks=True)``); every other pool's ranks are forked, which saves each rank the 4 to 5 s of a real start.
+REAL_RANKS: set[str] = set()
+# Where the suite's time went, for the summary at its end (conftest.py): each pool's folder name, scripts and
+# (start, end) in seconds after the pools were started, and how long tests waited for the background pools.
+POOL_TIMES: dict[str, tuple[int, float, float]] = {}
+POOL_WAIT_S = 0.0
+_T0 = time.monotonic()
 
 
 def start_pools(root: Path) -> None:
@@ -163,6 +175,8 @@ def start_pools(root: Path) -> None:
     if not keys:
         return
 
+    global _T0
+    _T0 = time.monotonic()
     # A server for torchrun and its ranks (one serves them all), before the pools start, so that their first
     # launches are forked.
     server = forkserver.prewarm({k: v for k, v in worker_env(root).items() if k not in ("RANK", "LOCAL_RANK")})
@@ -179,6 +193,13 @@ def start_pools(root: Path) -> None:
     thread.start()
 
 
+# The niceness of a pool's ranks (``workers/pool.py``). The pools run in the background while the other tests run, and
+# most of those leave a core idle part of the time; at normal priority the pools took an equal share of the CPU,
+# ended well before the other tests did and left those to run alone, idle cores and all, for the last third of the
+# suite. At a lower priority they take mostly the CPU the other tests leave idle, and last about as long as those. A
+# niceness of 10 gives a pool rank about a tenth of a busy core: no pooled case has a time limit close to that.
+POOL_NICE = 10
+
 # A pool whose rank died inside a case (a segfault, say) is started again this many times at most: first for that case
 # and the ones after it, then, if the case ends a rank again, for the ones after it alone. A case that ends a rank
 # twice fails, showing its stacks; the cases after it still run and report.
@@ -188,17 +209,23 @@ POOL_RESTARTS = 4
 def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int | None, list[str]]:
     """Run ``scripts``' cases in one ``workers/pool.py`` launch into ``out``; return ``(out, log, torchrun's exit
     status, scripts)``."""
-    nproc, env = key[0], dict(key[1])
+    started = time.monotonic() - _T0
+    try:
+        return _run_pool_attempts(key[0], dict(key[1]), out, scripts)
+    finally:
+        POOL_TIMES[out.name] = (len(scripts), started, time.monotonic() - _T0)
+
+
+def _run_pool_attempts(nproc: int, env: dict[str, str], out: Path,
+                       scripts: list[str]) -> tuple[Path, str, int | None, list[str]]:
     logs, skip = [], out / "_skip.txt"
     for attempt in range(1 + POOL_RESTARTS):
         extra = {"LFSDP_TEST_SKIP_FILE": str(skip)} if attempt else {}
         try:
-            # The pools' ranks are real processes: in forked ones, held_memory's live-tensor count found a whole
-            # model still alive after the scripts before it had run in the same process (not yet understood; alone,
-            # forked, it passes). torchrun itself is forked.
             proc = subprocess.run(torchrun("pool.py", nproc),
-                                  env=worker_env(out, forked=False, LFSDP_TEST_SCRIPTS=",".join(scripts), **extra,
-                                                 **env),
+                                  env=worker_env(out, forked=not REAL_RANKS.intersection(scripts),
+                                                 LFSDP_TEST_SCRIPTS=",".join(scripts), LFSDP_TEST_NICE=str(POOL_NICE),
+                                                 **extra, **env),
                                   capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as err:
             logs.append(f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}")
@@ -214,19 +241,20 @@ def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int 
 
 
 def _first_unfinished(out: Path, nproc: int) -> str | None:
-    """The first case (``<script stem>/<case>``, in the order the pool ran them) that some rank started and wrote no
-    result for: the case a rank died in. Before the pool starts again, the cases before it go into the skip file, and
-    the case itself too if it has ended a rank before, so the next start runs, on every rank alike, the rest; what the
-    surviving ranks wrote for those (failures to reach the dead rank, mostly) is removed, to be written again."""
+    """The first case (``<script stem>/<case>``, in the order the pool ran them) that a rank died in (:func:`_died_in`),
+    not counting the cases skipped already. Before the pool starts again, the cases before it go into the skip file,
+    and the case itself too if it has ended a rank before, so the next start runs, on every rank alike, the rest; what
+    the surviving ranks wrote for those (failures to reach the dead rank, mostly) is removed, to be written again."""
     skip = out / "_skip.txt"
     skipped = set(skip.read_text().split()) if skip.is_file() else set()
     logs = [out / f"_started.rank{rank}.txt" for rank in range(nproc)]
     started = max((log.read_text().split() if log.is_file() else [] for log in logs), key=len)
     order = [name for name in dict.fromkeys(started) if name not in skipped]
-    finished = [all((out / f"{name}.rank{rank}.json").is_file() for rank in range(nproc)) for name in order]
-    if all(finished):
+    died_in = {f"{stacks.parent.name}/{stacks.name[:-len(f'.rank{rank}.stacks.txt')]}"
+               for rank in range(nproc) for stacks in _died_in(out, rank)}
+    if not died_in & set(order):
         return None
-    first = finished.index(False)
+    first = min(order.index(name) for name in died_in & set(order))
     dead = order[first]
     if any(out.glob(f"{dead}.rank*.crash.txt")):  # it ended a rank twice: it stays a failure, with its stacks
         ran = order[:first + 1]
@@ -260,7 +288,10 @@ def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]
     the first test that needs it."""
     key = (nproc, tuple(sorted(env.items())))
     if key in _BACKGROUND:
+        global POOL_WAIT_S
+        waited = time.monotonic()
         _BACKGROUND[key].join(timeout=2 * LAUNCH_TIMEOUT_S * len(_BACKGROUND))
+        POOL_WAIT_S += time.monotonic() - waited
     if key not in _POOL_LAUNCHES:
         members = [s for s, module in _POOLS.get(key, []) if SELECTED is None or module in SELECTED]
         scripts = list(dict.fromkeys(members + [script]))
@@ -287,7 +318,8 @@ def pooled(script: str, nproc: int, *, name: str, **env: str):
     return fixture
 
 
-def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, **env: str):
+def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, real_ranks: bool = False,
+               **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
     Use at module level: ``results, test_case = case_tests("fabric_core.py", 2, CASES)``; ``env`` goes to the
@@ -297,8 +329,11 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     The script's cases run in one launch with those of the other selected scripts of the same world size and ``env``
     (``workers/pool.py``): a launch costs seconds of imports and rendezvous, a case often less. ``pooled=False`` gives
     the script a launch of its own: for cases that measure their process (its memory), or that the cases of other
-    scripts must not share a process with (see CONTRIBUTING.md).
+    scripts must not share a process with (see CONTRIBUTING.md). ``real_ranks=True`` makes the ranks of the script's
+    pool real processes rather than forked ones (CONTRIBUTING.md, "Forked or real processes").
     """
+    if real_ranks:
+        REAL_RANKS.add(script)
     if pooled:
         module = sys._getframe(1).f_globals.get("__name__", "")
         _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))

@@ -44,6 +44,9 @@ SLACK = 10.0
 import litgpt  # noqa: E402,F401  (a test dependency: missing, the file fails rather than skips)
 import tokenizers  # noqa: E402,F401
 
+# Its runs go side by side, two processes each: both cores stay busy (conftest.py runs such tests late).
+pytestmark = pytest.mark.fills_both_cores
+
 LR = 0.01
 # Common to the finetune scripts: 3 optimizer steps of 2 samples, lr 0 for the first (litgpt's linear warmup starts
 # at 0), no evaluation beyond the scripts' sanity check, CSV logs (nothing to install or reach).

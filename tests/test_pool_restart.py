@@ -11,6 +11,9 @@ import pytest
 
 from launch import LAUNCHED, Launch, run_pool
 
+# Two-rank pools started again and again: both cores stay busy (conftest.py runs such tests late).
+pytestmark = pytest.mark.fills_both_cores
+
 
 def test_a_segfault_runs_its_case_again_and_fails_it_only_if_it_crashes_again(tmp_path):
     out, log, returncode, _ = run_pool((2, ()), tmp_path / "pool", ["crashy.py"])

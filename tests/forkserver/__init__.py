@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import atexit
 import glob
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -100,9 +102,13 @@ def summary() -> str:
                if line.startswith("serving ")]
     forked = sum(line.startswith("forked ") for log in logs for line in log.splitlines())
     real = Path(_DIR) / "real-processes.txt"
-    real = len(real.read_text().splitlines()) if real.is_file() else 0
+    real = real.read_text().splitlines() if real.is_file() else []
+    # Each real one costs a full start (imports, and a collection at exit): name them, so that a new one shows.
+    shown = [" ".join(arg if len(arg) < 80 else arg[:60].replace("\n", " ") + "..." for arg in json.loads(line))
+             for line in real]
+    named = "".join(f"\n  {count} x {argv}" for argv, count in Counter(shown).most_common())
     return (f"{len(imports)} fork servers ({sum(imports):.0f} s of imports in all), {forked} processes forked,"
-            f" {real} run as real processes (no server fitted their environment yet)")
+            f" {len(real)} run as real processes (no server fitted their environment yet){':' if real else ''}{named}")
 
 
 def stop() -> None:

@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
+    _lower_priority(int(os.environ.get("LFSDP_TEST_NICE", "0")))
     root = Path(os.environ["LFSDP_TEST_OUT"])
     scripts = os.environ["LFSDP_TEST_SCRIPTS"].split(",")
     harness.POOLED = True
@@ -48,6 +49,23 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"_exit.rank{harness.rank()}.json").write_text(json.dumps({"code": code}))
     sys.exit(code)
+
+
+def _lower_priority(niceness: int) -> None:
+    """A pool runs in the background, beside the tests that need no pool: at a lower priority, it takes the CPU those
+    leave idle (a launch starting, saving, waiting on its other rank) and little else (``launch.POOL_NICE``).
+
+    Where the kernel groups processes by session for scheduling (autogroup, the default), a process's niceness weighs
+    only against the processes of its own session, and a forked rank is a session of its own: the session's group
+    gets the niceness too, or it would change nothing."""
+    if not niceness:
+        return
+    os.nice(niceness)
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(niceness))
+    except OSError:  # no autogroup here: the niceness alone counts
+        pass
 
 
 if __name__ == "__main__":
