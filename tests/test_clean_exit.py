@@ -11,15 +11,17 @@ The ranks are forked from the suite's warm servers with ``full_exit=True`` (``te
 new interpreter does, its last collection going over every object, torch's and Lightning's included."""
 
 import json
-import os
 import subprocess
-import sys
 
-from launch import LAUNCH_TIMEOUT_S, Launch, free_port, torchrun, worker_env
+import pytest
+
+import forkserver
+from launch import LAUNCH_TIMEOUT_S, Launch, free_port, script_env, torchrun, worker_env
 
 LAUNCHES = 8
 
 
+@pytest.mark.fills_both_cores  # its launches run all at once (conftest.py runs such tests late)
 def test_every_launch_exits_zero(tmp_path):
     outs = [tmp_path / f"launch{i}" for i in range(LAUNCHES)]
     procs = [subprocess.Popen(torchrun("clean_exit.py", 2), env=worker_env(out, full_exit=True),
@@ -73,6 +75,6 @@ print("idle workers:", len(threads))
 def test_idle_gloo_workers_are_recognised():
     """The wait at exit ends only when every gloo worker is idle: this kernel and C library must show an idle worker
     as idle (and the check must find the workers at all), or every exit would wait out the limit."""
-    proc = subprocess.run([sys.executable, "-c", IDLE_CHECK], env=dict(os.environ, PORT=str(free_port())),
+    proc = subprocess.run([forkserver.python(), "-c", IDLE_CHECK], env=script_env(PORT=str(free_port())),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "idle workers:" in proc.stdout, proc.stdout + proc.stderr

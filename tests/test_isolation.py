@@ -10,11 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from inprocess import Leak, run_cli
+import forkserver
 from launch import WORKERS, Launch, worker_env
 
 # case -> what the guard must say about it (None: a clean case, which must pass)
@@ -36,7 +36,7 @@ def test_the_harness_fails_each_case_that_leaks_and_only_those(tmp_path):
     out = tmp_path / "leaky"
     env = worker_env(out, LFSDP_TEST_THREAD_GRACE_S="0.5")
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, str(WORKERS / "leaky.py")], env=env, capture_output=True, text=True,
+    proc = subprocess.run([forkserver.python(), str(WORKERS / "leaky.py")], env=env, capture_output=True, text=True,
                           timeout=300)
     launch = Launch(out=out, world_size=1, log=proc.stdout + proc.stderr, returncode=proc.returncode)
     for name, leak in EXPECTED.items():

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
+import forkserver
 from launch import LAUNCH_TIMEOUT_S, free_port, worker_env
 from lightning_fsdp.engine.resharding import parse_reshard_after_forward
 from lightning_fsdp.fabric import FSDPStrategy
@@ -86,7 +86,7 @@ def test_keys_that_match_nothing_or_name_no_class_fail_at_setup_with_the_units()
 def test_a_script_named_model_py_runs_once_per_rank_and_the_key_reaches_its_submodule(front, tmp_path):
     log = tmp_path / "imports.log"
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+    command = [forkserver.python(), "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(SCRIPT), front]
     proc = subprocess.run(command, env=worker_env(out, LFSDP_IMPORT_LOG=str(log)), capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)

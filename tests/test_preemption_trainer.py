@@ -21,18 +21,26 @@ import forkserver
 from launch import WORKERS, free_port, torchrun, worker_env
 from test_preemption import LAUNCH_LIMIT_S, PG_TIMEOUT_S, _wait, assert_same_weights
 
+# Two-rank Trainer runs, killed, requeued and resumed: both cores stay busy (conftest.py runs such tests late).
+pytestmark = pytest.mark.fills_both_cores
+
 SIGUSR1_EXIT = 138  # 128 + SIGUSR1
 JOB_ID = "4242"
 
 
-def _fake_scontrol(bin_dir: Path, record: Path) -> None:
-    bin_dir.mkdir(parents=True, exist_ok=True)
+@pytest.fixture(scope="module")
+def fake_scontrol(tmp_path_factory) -> Path:
+    """A folder holding a fake ``scontrol`` that records its arguments in ``$LFSDP_PRE_ROOT/scontrol.log``: one
+    folder for every run, so that every run has the same ``PATH`` and the same warm server forks its ranks (a new
+    ``PATH`` is a new environment, whose first ranks run as real processes: tests/forkserver)."""
+    bin_dir = tmp_path_factory.mktemp("fake_slurm_bin")
     script = bin_dir / "scontrol"
-    script.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
+    script.write_text('#!/bin/sh\necho "$@" >> "$LFSDP_PRE_ROOT/scontrol.log"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return bin_dir
 
 
-def srun(root: Path, **extra: str) -> tuple[list[int], str]:
+def srun(root: Path, bin_dir: Path, **extra: str) -> tuple[list[int], str]:
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -43,29 +51,27 @@ def srun(root: Path, **extra: str) -> tuple[list[int], str]:
         env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
                    SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
                    SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PATH=f"{root / 'bin'}{os.pathsep}{env['PATH']}")
+                   PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
         procs.append(subprocess.Popen([forkserver.python(), str(WORKERS / "preempt_trainer.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return _wait(procs)
 
 
 @pytest.fixture(scope="module")
-def trainer_reference(tmp_path_factory) -> Path:
+def trainer_reference(tmp_path_factory, fake_scontrol) -> Path:
     root = tmp_path_factory.mktemp("trainer_reference")
-    _fake_scontrol(root / "bin", root / "scontrol.log")
-    codes, log = srun(root)
+    codes, log = srun(root, fake_scontrol)
     assert codes == [0, 0], log[-4000:]
     return root / "final.pt"
 
 
-def test_slurm_sigusr1_saves_requeues_and_resumes(tmp_path, trainer_reference):
+def test_slurm_sigusr1_saves_requeues_and_resumes(tmp_path, trainer_reference, fake_scontrol):
     from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 
     root = tmp_path
     record = root / "scontrol.log"
-    _fake_scontrol(root / "bin", record)
     # Global step 3 is the last step of epoch 1 (2 steps per epoch): the save after it is at an epoch boundary.
-    codes, log = srun(root, LFSDP_PRE_SIGNAL="SIGUSR1:0+1:3")
+    codes, log = srun(root, fake_scontrol, LFSDP_PRE_SIGNAL="SIGUSR1:0+1:3")
     assert codes == [SIGUSR1_EXIT, SIGUSR1_EXIT], log[-4000:]
     saved = sorted(p.name for p in root.iterdir() if "hpc_ckpt" in p.name)
     assert saved == ["hpc_ckpt_1.ckpt"], saved
@@ -73,7 +79,7 @@ def test_slurm_sigusr1_saves_requeues_and_resumes(tmp_path, trainer_reference):
     assert record.read_text().splitlines() == [f"requeue {JOB_ID}"]
     assert not (root / "final.pt").exists()
 
-    codes, log = srun(root)  # the requeued job: same script, no ckpt_path
+    codes, log = srun(root, fake_scontrol)  # the requeued job: same script, no ckpt_path
     assert codes == [0, 0], log[-4000:]
     result = json.loads((root / "result.json").read_text())
     assert result == {"started_at": 4, "global_step": 10}, result

@@ -7,7 +7,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from lightning_fsdp.engine.config import ShardingStrategy
 from lightning_fsdp.fabric import FSDPStrategy
+import forkserver
 import lightning_fsdp  # noqa: F401 - importing registers the names
+from launch import script_env
 
 # Every test here keeps one core busy (this process, or one subprocess at a time): they run first, beside the
 # background pools (tests/conftest.py).
@@ -86,11 +88,12 @@ def test_lightnings_own_fsdp_is_unchanged():
     # Without this package imported, Lightning refuses its FSDP names on CPU as before; and an instance of
     # Lightning's own strategy is refused even with it imported.
     import subprocess
-    import sys
 
     from lightning.fabric.strategies import FSDPStrategy as LightningFSDPStrategy
 
-    proc = subprocess.run([sys.executable, "-c", _LIGHTNING_ALONE], capture_output=True, text=True, timeout=300)
+    # Forked from a warm server, which imports Lightning but never this package: what a fresh interpreter has.
+    proc = subprocess.run([forkserver.python(), "-c", _LIGHTNING_ALONE], env=script_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0 and "refused" in proc.stdout, proc.stdout + proc.stderr
     with pytest.raises(ValueError, match="only available on GPU"):
         Fabric(accelerator="cpu", devices=1, strategy=LightningFSDPStrategy())

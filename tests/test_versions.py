@@ -8,7 +8,6 @@ import ast
 import json
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorProperties
 
+import forkserver
 import lightning_fsdp
-from launch import case_tests
+from launch import case_tests, script_env
 from lightning_fsdp import cli
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata
 from lightning_fsdp.checkpoint.io.readers import UsageError, open_checkpoint
@@ -139,5 +139,7 @@ def test_the_package_imports_and_trains_nothing_averaged_without_weight_averagin
         "assert averaging.averaged_modules(trainer) == []\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # Forked from a warm server, which has imported Lightning (as the script's first line does) but not this package.
+    proc = subprocess.run([forkserver.python(), "-c", script], env=script_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
