@@ -12,6 +12,23 @@ import forkserver
 import launch
 
 
+# The ids of the tests this session collected but will not run (`-k`, `--deselect`), and, once collection is done, of
+# every test it collected: the whole suite's when no path was given (fixture ``suite_ids``).
+_DESELECTED: list[str] = []
+_SUITE_IDS: list[str] | None = None
+
+
+def pytest_deselected(items):
+    _DESELECTED.extend(item.nodeid for item in items)
+
+
+@pytest.fixture(scope="session")
+def suite_ids() -> list[str] | None:
+    """The id of every test in the suite, selected or not, where this session collected the whole suite (no path
+    given); None otherwise."""
+    return _SUITE_IDS
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Order the tests so that both cores stay busy while the pools run in the background (``launch.start_pools``,
@@ -23,22 +40,26 @@ def pytest_collection_modifyitems(session, config, items):
        after another, and leave a core idle part of the time (start-up, rendezvous, saving), which the pools fill;
     3. the tests marked ``fills_both_cores`` (several processes at once, busy throughout), which need no pool
        beside them: by then the pools are done, or nearly;
-    4. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results. A
+    4. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results, the
+       files of the first pool to end first (``launch.last_pool_of``), so that they run while the later pools do. A
        marked test that reads a pool's results stays here.
 
     The order within each group stays as collected. A file stays in one piece except for its marked tests: a
     module-scoped fixture shared by tests in two groups would be set up twice, so mark a whole file
     (``pytestmark``) where its tests share one."""
-    def group(item) -> int:
+    def group(item) -> tuple[int, int]:
         module = getattr(getattr(item, "module", None), "__name__", "")
         reads_a_pool = bool(launch.POOL_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())))
         if item.get_closest_marker("single_process") and not reads_a_pool:
-            return 0
+            return 0, 0
         if module in launch.POOL_FIXTURES:
-            return 3
-        return 2 if item.get_closest_marker("fills_both_cores") else 1
+            return 3, launch.last_pool_of(module)
+        return (2 if item.get_closest_marker("fills_both_cores") else 1), 0
 
     items.sort(key=group)
+    global _SUITE_IDS
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        _SUITE_IDS = [item.nodeid for item in items] + _DESELECTED
 
 
 def pytest_collection_finish(session):

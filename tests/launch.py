@@ -151,7 +151,9 @@ def launch(script: str, nproc: int, tmp: Path, **env) -> Launch:
 # test modules that have selected tests, so a run of one file or a `-k` selection launches only what it needs.
 _POOLS: dict[tuple, list[tuple[str, str]]] = {}
 _POOL_LAUNCHES: dict[tuple, tuple[Path, str, int, list[str]]] = {}
-_BACKGROUND: dict[tuple, threading.Thread] = {}
+# Set when the background thread has run the pool of that key (or failed to): a test waits for its own pool, not for
+# the pools after it.
+_BACKGROUND: dict[tuple, threading.Event] = {}
 SELECTED: set[str] | None = None
 # The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
 # such tests last).
@@ -170,8 +172,7 @@ def start_pools(root: Path) -> None:
     """Start every pool of selected scripts now, one after another in a background thread, so that they run while
     the tests that need no pool do (conftest.py runs the tests that read a pool's results last, and the tests marked
     ``single_process`` first, which would leave a core idle without a pool beside them)."""
-    keys = [key for key, members in sorted(_POOLS.items())
-            if any(SELECTED is None or module in SELECTED for _, module in members)]
+    keys = _selected_pools()
     if not keys:
         return
 
@@ -184,13 +185,30 @@ def start_pools(root: Path) -> None:
     def run_all() -> None:
         forkserver.wait_until_serving(server)
         for key in keys:
-            scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
-            _POOL_LAUNCHES[key] = run_pool(key, root / f"pool{key[0]}-{keys.index(key)}", list(dict.fromkeys(scripts)))
+            try:
+                scripts = [s for s, module in _POOLS[key] if SELECTED is None or module in SELECTED]
+                _POOL_LAUNCHES[key] = run_pool(key, root / f"pool{key[0]}-{keys.index(key)}",
+                                               list(dict.fromkeys(scripts)))
+            finally:
+                _BACKGROUND[key].set()
 
-    thread = threading.Thread(target=run_all, name="pools", daemon=True)
     for key in keys:
-        _BACKGROUND[key] = thread
-    thread.start()
+        _BACKGROUND[key] = threading.Event()
+    threading.Thread(target=run_all, name="pools", daemon=True).start()
+
+
+def _selected_pools() -> list[tuple]:
+    """The keys of the pools with a selected script, in the order the background thread runs them."""
+    return [key for key, members in sorted(_POOLS.items())
+            if any(SELECTED is None or module in SELECTED for _, module in members)]
+
+
+def last_pool_of(module: str) -> int:
+    """The position, in the order the pools run, of the last pool that runs a script of test module ``module``
+    (conftest.py runs the tests that read the first pools first: they need not wait for the later ones)."""
+    keys = sorted(_POOLS)
+    return max((keys.index(key) for key, members in _POOLS.items() if any(m == module for _, m in members)),
+               default=-1)
 
 
 # The niceness of a pool's ranks (``workers/pool.py``). The pools run in the background while the other tests run, and
@@ -290,7 +308,7 @@ def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]
     if key in _BACKGROUND:
         global POOL_WAIT_S
         waited = time.monotonic()
-        _BACKGROUND[key].join(timeout=2 * LAUNCH_TIMEOUT_S * len(_BACKGROUND))
+        _BACKGROUND[key].wait(timeout=2 * LAUNCH_TIMEOUT_S * len(_BACKGROUND))
         POOL_WAIT_S += time.monotonic() - waited
     if key not in _POOL_LAUNCHES:
         members = [s for s, module in _POOLS.get(key, []) if SELECTED is None or module in SELECTED]

@@ -2,7 +2,8 @@
 
 A cited id is a backquoted ``tests/test_x.py``, ``test_x.py::test_name``, ``tests/test_x.py::test_case[name]`` (``*``
 allowed, as in ``[parity_*]``), or a bare ``[name]`` / ``test_case[name]``, which refers to a file named in the same
-table or paragraph. Each must match at least one test that ``pytest --collect-only`` finds.
+table or paragraph. Each must match at least one test of the suite: the ids this session collected where it collected
+the whole suite (``conftest.suite_ids``), else those ``pytest --collect-only`` finds.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def _escape(params: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def collected() -> list[str]:
+def collected(suite_ids) -> list[str]:
+    if suite_ids is not None:  # this session collected the whole suite already
+        return suite_ids
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
