@@ -137,9 +137,8 @@ class Launch:
 
 def launch(script: str, nproc: int, tmp: Path, **env) -> Launch:
     """One launch of ``script`` on ``nproc`` ranks, results in ``tmp/<script stem>``; ``env``: :func:`worker_env`'s
-    keywords. Its ranks are forked unless the script is in :data:`REAL_RANKS`."""
+    keywords."""
     out = tmp / Path(script).stem
-    env.setdefault("forked", script not in REAL_RANKS)
     proc = subprocess.run(
         torchrun(script, nproc), env=worker_env(out, **env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
     )
@@ -158,9 +157,6 @@ SELECTED: set[str] | None = None
 # The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
 # such tests last).
 POOL_FIXTURES: dict[str, set[str]] = {}
-# The scripts whose pool must have real ranks, not ranks forked from a warm server (``case_tests(...,
-# real_ranks=True)``); every other pool's ranks are forked, which saves each rank the 4 to 5 s of a real start.
-REAL_RANKS: set[str] = set()
 # Where the suite's time went, for the summary at its end (conftest.py): each pool's folder name, scripts and
 # (start, end) in seconds after the pools were started, and how long tests waited for the background pools.
 POOL_TIMES: dict[str, tuple[int, float, float]] = {}
@@ -241,9 +237,8 @@ def _run_pool_attempts(nproc: int, env: dict[str, str], out: Path,
         extra = {"LFSDP_TEST_SKIP_FILE": str(skip)} if attempt else {}
         try:
             proc = subprocess.run(torchrun("pool.py", nproc),
-                                  env=worker_env(out, forked=not REAL_RANKS.intersection(scripts),
-                                                 LFSDP_TEST_SCRIPTS=",".join(scripts), LFSDP_TEST_NICE=str(POOL_NICE),
-                                                 **extra, **env),
+                                  env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts),
+                                                 LFSDP_TEST_NICE=str(POOL_NICE), **extra, **env),
                                   capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as err:
             logs.append(f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}")
@@ -336,8 +331,7 @@ def pooled(script: str, nproc: int, *, name: str, **env: str):
     return fixture
 
 
-def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, real_ranks: bool = False,
-               **env: str):
+def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
     Use at module level: ``results, test_case = case_tests("fabric_core.py", 2, CASES)``; ``env`` goes to the
@@ -347,11 +341,8 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     The script's cases run in one launch with those of the other selected scripts of the same world size and ``env``
     (``workers/pool.py``): a launch costs seconds of imports and rendezvous, a case often less. ``pooled=False`` gives
     the script a launch of its own: for cases that measure their process (its memory), or that the cases of other
-    scripts must not share a process with (see CONTRIBUTING.md). ``real_ranks=True`` makes the ranks of the script's
-    pool real processes rather than forked ones (CONTRIBUTING.md, "Forked or real processes").
+    scripts must not share a process with (see CONTRIBUTING.md).
     """
-    if real_ranks:
-        REAL_RANKS.add(script)
     if pooled:
         module = sys._getframe(1).f_globals.get("__name__", "")
         _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))
