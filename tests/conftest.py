@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,36 @@ def pytest_collection_finish(session):
     launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
     if session.items and not session.config.option.collectonly:
         launch.start_pools(session.config._tmp_path_factory.mktemp("pools"))
+
+
+# LFSDP_TEST_TIMELINE=<file>: one line per test, "<start s> <duration s> <busy %> <test id>", where busy is how much
+# of both cores the whole machine used while the test ran (/proc/stat). Run a file alone with it to see whether its
+# tests keep both cores busy (``fills_both_cores``) or one (``single_process``); run the suite with it to see where
+# cores idle (CONTRIBUTING.md).
+_TIMELINE = os.environ.get("LFSDP_TEST_TIMELINE")
+_STARTED: dict[str, tuple[float, list[int]]] = {}
+_T0 = time.monotonic()
+
+
+def _cpu_ticks() -> list[int]:
+    with open("/proc/stat") as stat:
+        return [int(v) for v in stat.readline().split()[1:]]
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TIMELINE:
+        _STARTED[nodeid] = (time.monotonic(), _cpu_ticks())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if not _TIMELINE or nodeid not in _STARTED:
+        return
+    started, before = _STARTED.pop(nodeid)
+    spent = [after - was for after, was in zip(_cpu_ticks(), before)]
+    idle = spent[3] + spent[4]  # idle and iowait
+    busy = 100 * (sum(spent) - idle) / max(1, sum(spent))
+    with open(_TIMELINE, "a") as timeline:
+        timeline.write(f"{started - _T0:8.1f} {time.monotonic() - started:7.2f} {busy:4.0f} {nodeid}\n")
 
 
 def pytest_terminal_summary(terminalreporter):

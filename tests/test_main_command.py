@@ -31,6 +31,11 @@ def runs(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("default")
     started["default"] = (folder, subprocess.Popen(["bash", str(ROOT / "examples" / "train.sh")], cwd=folder,
                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    # The script passes its arguments on to examples/train_gpt.py (the README's `bash examples/train.sh --steps 300
+    # --state-dict-type full`): `--help` shows that in one process that stops before any training.
+    folder = tmp_path_factory.mktemp("help")
+    started["help"] = (folder, subprocess.Popen(["bash", str(ROOT / "examples" / "train.sh"), "--help"], cwd=folder,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     # The variant is about the full checkpoint, not the start-up, which the default run holds already: its processes
     # are forked from the suite's warm servers (tests/forkserver), which saves each the 4 to 5 s of a real start.
     folder = tmp_path_factory.mktemp("full")
@@ -66,6 +71,11 @@ def test_readme_main_command_trains_saves_and_resumes(runs):
     checkpoint = tmp_path / "checkpoints" / "gpt" / "step-000150"
     assert (checkpoint / ".metadata").is_file() and (checkpoint / "meta.pt").is_file()
     assert str(checkpoint) in output
+
+
+def test_the_readme_command_passes_its_arguments_to_the_script(runs):
+    _, output = _finished(runs, "help")
+    assert "usage:" in output and "--state-dict-type" in output and "--resume-steps" in output, output[-3000:]
 
 
 def test_full_checkpoint_variant_loads_without_the_package(runs):
