@@ -51,8 +51,7 @@ def pytest_collection_modifyitems(session, config, items):
     (``pytestmark``) where its tests share one."""
     def group(item) -> tuple[int, int]:
         module = getattr(getattr(item, "module", None), "__name__", "")
-        reads_a_pool = bool(launch.POOL_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())))
-        if item.get_closest_marker("single_process") and not reads_a_pool:
+        if item.get_closest_marker("single_process") and not launch.reads_a_pool(item):
             return 0, 0
         if module in launch.POOL_FIXTURES:
             return 3, launch.last_pool_of(module)

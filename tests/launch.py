@@ -199,6 +199,12 @@ def _selected_pools() -> list[tuple]:
             if any(SELECTED is None or module in SELECTED for _, module in members)]
 
 
+def reads_a_pool(item) -> bool:
+    """Whether the pytest item uses a fixture that gives a pool's launch (it waits for that pool)."""
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    return bool(POOL_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())))
+
+
 def last_pool_of(module: str) -> int:
     """The position, in the order the pools run, of the last pool that runs a script of test module ``module``
     (conftest.py runs the tests that read the first pools first: they need not wait for the later ones)."""

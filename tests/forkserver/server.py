@@ -69,10 +69,10 @@ def preload() -> tuple:
     rank_readers = set()
     original = os.environ
 
-    def reader(depth: int = 2) -> str:
-        """The module whose code read the environment, ``depth`` frames up (past ``os``, import machinery, and
-        Recording's own methods, of which ``get`` reads through ``__getitem__``)."""
-        frame = sys._getframe(depth)
+    def reader() -> str:
+        """The module whose code read the environment: the first frame up that is not this module's (``note``,
+        Recording's methods, of which ``get`` reads through ``__getitem__``), ``os``'s or import machinery's."""
+        frame = sys._getframe(1)
         while frame is not None and (frame.f_globals.get("__name__") in ("os", "_collections_abc")
                                      or frame.f_globals is globals()
                                      or frame.f_code.co_filename.startswith("<frozen")):
@@ -82,7 +82,7 @@ def preload() -> tuple:
     def note(key) -> None:
         read.add(key)
         if key in RANK_VARIABLES:
-            rank_readers.add(reader(depth=3))  # past reader() itself, this function and the Recording method
+            rank_readers.add(reader())
 
     class Recording(os._Environ):
         def __getitem__(self, key):

@@ -31,6 +31,14 @@ def before_the_crashes():
 
 
 @case
+def reports_its_priority():
+    """The niceness the pool gave this rank (``launch.POOL_NICE``), and its scheduling group's where the kernel has
+    autogroup."""
+    autogroup = Path("/proc/self/autogroup")
+    return {"nice": os.nice(0), "autogroup": autogroup.read_text().strip() if autogroup.exists() else None}
+
+
+@case
 def segfaults_on_rank_0_in_its_first_run_only():
     _group()
     marker = Path(os.environ["LFSDP_TEST_OUT"]) / "crashed_once"
