@@ -23,9 +23,9 @@ FULL_VARIANT = ["--steps", "20", "--resume-steps", "10", "--log-every", "10", "-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Both runs, started side by side: each leaves a core idle much of its time (start-up, the second process's
-    start, saving, loading), so together they take little more than the longer one alone. Each runs in a folder of
-    its own, where the default relative ``--out`` lands."""
+    """The README command, its `--help` and the full-checkpoint variant, started side by side: each run leaves a core
+    idle much of its time (start-up, the second process's start, saving, loading), so together they take little
+    more than the longest alone. Each runs in a folder of its own, where the default relative ``--out`` lands."""
     started = {}
     # The README's command exactly: its script, the venv's own Python, real processes, the default arguments.
     folder = tmp_path_factory.mktemp("default")
