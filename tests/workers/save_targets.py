@@ -17,6 +17,7 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -78,26 +79,35 @@ def _loads_exactly_in_trainer(path: Path, expected: dict, what: str) -> float:
 class _Observe(Callback):
     """Records the parameters at every step (before `ModelCheckpoint`, which Lightning runs last, saves them), and
     at the end of training, with step 2's write still held open, copies the checkpoint directory (what a preemption
-    would leave) before releasing the write."""
+    would leave) before releasing the write; ``snapshot=None``: no copy."""
 
-    def __init__(self, dirpath: Path, snapshot: Path, gate: threading.Event) -> None:
+    def __init__(self, dirpath: Path, snapshot: Optional[Path], gate: threading.Event) -> None:
         self.dirpath, self.snapshot, self.gate = dirpath, snapshot, gate
         self.params: dict[int, dict] = {}
-        self.seen_at_end: list[str] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.params[trainer.global_step] = gathered(pl_module.model)
 
     def on_train_end(self, trainer, pl_module):
-        if trainer.global_rank == 0:
-            self.seen_at_end = sorted(p.name for p in self.dirpath.iterdir())
-            shutil.copytree(self.dirpath, self.snapshot, symlinks=True)
-        trainer.strategy.barrier()
+        failure = None
+        if trainer.global_rank == 0 and self.snapshot is not None:
+            try:
+                shutil.copytree(self.dirpath, self.snapshot, symlinks=True)
+            except Exception as err:  # noqa: BLE001 - raised below, on every rank
+                failure = f"{type(err).__name__}: {err}"
+        # Every rank learns whether rank 0's copy failed: a failure raised on rank 0 alone would leave the others in
+        # the next collective until the process group's timeout.
+        failures = [None] * WORLD
+        dist.all_gather_object(failures, failure)
         self.gate.set()
+        if failures[0] is not None:
+            raise RuntimeError(f"copying {str(self.dirpath)!r} on rank 0 failed: {failures[0]}")
 
 
 def _top_1_fit(name: str, gate: threading.Event, fail: bool = False):
-    dirpath, snapshot = OUT / name, OUT / f"{name}-at-preemption"
+    # With `fail`, step 2's write fails at once and rank 0 removes its staged files in the background: a copy of the
+    # directory then would race that removal (it did once, on rank 0 alone), and the failing case needs none.
+    dirpath, snapshot = OUT / name, None if fail else OUT / f"{name}-at-preemption"
     observe = _Observe(dirpath, snapshot, gate)
     callback = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=1)
     trainer = make_trainer(strategy(state_dict_type="sharded", async_save=True), max_steps=2,
