@@ -221,22 +221,50 @@ def test_every_error_type_raised_is_in_troubleshooting():
     assert not missing, f"raised but not explained in docs/guides/troubleshooting.md: {missing}"
 
 
-# A sign belongs to the number unless it follows a marker (`0.05<!-- ... -->-0.11` is a range).
-RECORDED = re.compile(r"(?P<value>(?:(?<!>)[-+])?\d+(?:\.\d+)?)(?P<percent>%?)<!--\s*record:\s*(?P<figure>.+?)"
-                      r"(?:\s*\|\s*(?P<stat>median|min|max|detail(?:\.\w+)+))?\s*-->")
+# A sign belongs to the number unless it follows a marker (`0.05<!-- ... -->-0.11` is a range). The marker sits right
+# after the number (no space); the statistic is `median` (default), `min`, `max`, `rounds` or a path into the row's
+# `detail`, optionally scaled (`| detail.params / 1e6 -->M` writes 23175168 as 23.2).
+MARKER = re.compile(r"<!--\s*record:(?P<body>.*?)-->", re.S)
+RECORDED = re.compile(r"(?P<value>(?:(?<!>)[-+])?\d+(?:\.\d+)?)(?P<percent>%?)$")
+STATISTIC = re.compile(r"(?P<stat>median|min|max|rounds|detail(?:\.\w+)+)(?:\s*/\s*(?P<scale>1e\d+))?")
 
 
 def _statistic(row: dict, stat: str) -> float:
-    """`median`, `min`, `max`, or a path into the row's `detail` (`detail.save_s`)."""
+    """`median`, `min`, `max`, `rounds`, or a path into the row's `detail` (`detail.save_s`), with an optional
+    divisor (`detail.params / 1e6`)."""
+    m = STATISTIC.fullmatch(stat)
     value = row
-    for part in stat.split("."):
+    for part in m["stat"].split("."):
         value = value[part]
-    return float(value)
+    return float(value) / float(m["scale"] or 1)
 
 
 def recorded_figures(text: str) -> list[tuple[str, str, str, str]]:
-    """(value as written, '%' or '', figure name, statistic) for every number the text marks as from the record."""
-    return [(m["value"], m["percent"], m["figure"].strip(), m["stat"] or "median") for m in RECORDED.finditer(text)]
+    """(value as written, '%' or '', figure name, statistic) for every number the text marks as from the record.
+
+    Every ``<!-- record: ... -->`` marker must sit right after a number and name a figure and a known statistic: a
+    marker after a space or a letter (``1.50 <!-- record: X -->``, ``0.90x<!-- record: X -->``), or with no figure,
+    is a ValueError naming the line, not a marker that checks nothing."""
+    found, bad = [], []
+    for m in MARKER.finditer(text):
+        if text[m.start() - 1:m.start()] == "`" and text[m.end():m.end() + 1] == "`":
+            continue  # the format itself, quoted as code (`<!-- record: FIGURE -->`)
+        line = text.count("\n", 0, m.start()) + 1
+        figure, _, stat = m["body"].partition("|")
+        figure, stat = " ".join(figure.split()), " ".join(stat.split()) or "median"
+        number = RECORDED.search(text[max(0, m.start() - 40):m.start()])
+        if number is None:
+            bad.append(f"line {line}: {text[max(0, m.start() - 20):m.end()]!r} is not right after a number")
+        elif not figure:
+            bad.append(f"line {line}: a marker that names no figure")
+        elif not STATISTIC.fullmatch(stat):
+            bad.append(f"line {line}: unknown statistic {stat!r}")
+        else:
+            found.append((number["value"], number["percent"], figure, stat))
+    if bad:
+        raise ValueError("malformed or detached record markers (write `1.11<!-- record: FIGURE -->`, the number "
+                         "right before the marker): " + "; ".join(bad))
+    return found
 
 
 def _as_written(value: str, percent: str, measured: float) -> str:
@@ -247,31 +275,49 @@ def _as_written(value: str, percent: str, measured: float) -> str:
     return f"{measured:.{decimals}f}"
 
 
+def stale_figures(text: str, rows: dict, where: str) -> list[str]:
+    """What is wrong with the text's recorded figures against the record's rows (empty: all are the record)."""
+    wrong = []
+    for value, percent, figure, stat in recorded_figures(text):
+        if figure not in rows:
+            wrong.append(f"{where}: no figure {figure!r} in the record")
+        elif (expected := _as_written(value, percent, _statistic(rows[figure], stat))) != value:
+            wrong.append(f"{where}: {value}{percent} for {figure!r} ({stat}), the record has {expected}{percent}")
+    return wrong
+
+
 def test_every_recorded_figure_in_the_docs_is_the_run_of_record():
     """A number written `1.11<!-- record: FIGURE -->` (or `| min`, `| max`) in the README, docs/ or the CHANGELOG is
     that row of docs/benchmarks.json, which benchmarks/run.sh writes, rounded as written."""
     rows = {row["figure"]: row for row in json.loads((ROOT / "docs" / "benchmarks.json").read_text())["rows"]}
     wrong, found = [], 0
     for doc in [ROOT / "CHANGELOG.md", *documents()]:
-        for value, percent, figure, stat in recorded_figures(doc.read_text()):
-            found += 1
-            if figure not in rows:
-                wrong.append(f"{doc.name}: no figure {figure!r} in the record")
-            elif (expected := _as_written(value, percent, _statistic(rows[figure], stat))) != value:
-                wrong.append(f"{doc.name}: {value}{percent} for {figure!r} ({stat}), the record has {expected}{percent}")
+        found += len(recorded_figures(doc.read_text()))
+        wrong += stale_figures(doc.read_text(), rows, doc.name)
     assert found >= 7, f"only {found} recorded figures found: the marker format changed?"
     assert not wrong, wrong
 
 
 def test_recorded_figures_are_read_as_written():
-    """The control for the check above: a stale figure and an unknown name are both caught."""
+    """The control for the check above: a stale figure, an unknown name, and a malformed or detached marker are
+    all caught."""
     text = "costs 1.04<!-- record: x --> and +2%<!-- record: y | max --> in 0.49<!-- record: z | detail.save_s --> s"
     assert recorded_figures(text) == [("1.04", "", "x", "median"), ("+2", "%", "y", "max"),
                                       ("0.49", "", "z", "detail.save_s")]
     assert _statistic({"detail": {"save_s": 0.4939}}, "detail.save_s") == 0.4939
+    assert _statistic({"detail": {"params": 23175168}}, "detail.params / 1e6") == 23.175168
     assert [v for v, *_ in recorded_figures("0.05<!-- record: x | min -->-0.11<!-- record: x | max -->")] == ["0.05",
                                                                                                           "0.11"]
     assert _as_written("1.04", "", 1.108) == "1.11" and _as_written("+2", "%", 1.0234) == "+2"
+    rows = {"x": {"median": 1.108, "rounds": 16}}
+    assert stale_figures("1.11<!-- record: x -->, 16<!-- record: x | rounds --> rounds", rows, "t") == []
+    assert stale_figures("1.50<!-- record: x -->", rows, "t") == ["t: 1.50 for 'x' (median), the record has 1.11"]
+    assert stale_figures("1.11<!-- record: w -->", rows, "t") == ["t: no figure 'w' in the record"]
+    assert recorded_figures("marked `<!-- record: FIGURE -->` in the text") == []  # quoted, not a marker
+    for malformed in ("1.50 <!-- record: x -->", "0.90x<!-- record: x -->", "1.11<!-- record: -->",
+                      "1.11<!-- record: x | mean -->", "see <!-- record: x -->", "1.1`<!-- record: x -->"):
+        with pytest.raises(ValueError, match="malformed or detached"):
+            recorded_figures(malformed)
 
 
 TRAIN_PY_TIMEOUT_S = 120  # the script takes about 10 s on 2 cores
@@ -297,3 +343,35 @@ def test_readme_fabric_snippet_runs_as_python_train_py(tmp_path):
         pytest.fail(f"`python train.py` did not finish in {TRAIN_PY_TIMEOUT_S} s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-5000:]
     assert (tmp_path / "checkpoints" / "step-10" / "meta.pt").is_file(), sorted(tmp_path.rglob("*"))
+
+
+# A GPU model named in the docs (H100, A100, L40S, MI300X, RTX 4090): a claim that something ran there.
+GPU_MODEL = re.compile(r"\b(?:[ABHLV]\d{2,3}S?|MI\d{3}X?|RTX ?\d{4})\b")
+NO_GPU_RUN = "no run is recorded yet"
+
+
+def gpu_claims_against(text: str, runs: list[dict], where: str) -> list[str]:
+    """What the text says of GPU runs that the record of GPU runs (``docs/gpu_smoke.json``, written by
+    ``tests/gpu/smoke.py``) does not hold: a GPU model with no run on it in which every check that ran passed, or the
+    sentence that no run is recorded while one is."""
+    passed = [run["device"] for run in runs
+              if run["checks"] and all(v in {"pass", "not run"} for v in run["checks"].values())]
+    wrong = [f"{where}: names {name}, with no passing run on it in docs/gpu_smoke.json"
+             for name in sorted(set(GPU_MODEL.findall(text))) if not any(name in device for device in passed)]
+    if runs and NO_GPU_RUN in " ".join(text.split()):
+        wrong.append(f"{where}: says {NO_GPU_RUN!r}, and docs/gpu_smoke.json holds {len(runs)} runs")
+    return wrong
+
+
+def test_gpu_sentences_are_the_gpu_record():
+    """The docs' GPU sentences say what tests/gpu/smoke.py recorded, with the device and versions, and no more."""
+    runs = json.loads((ROOT / "docs" / "gpu_smoke.json").read_text())["runs"]
+    wrong = [w for doc in documents() for w in gpu_claims_against(doc.read_text(), runs, doc.name)]
+    assert not wrong, wrong
+    # The control: a model named without a run, and with a failed run, is caught; with a passing run it is not.
+    run = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "checks": {"a": "pass", "b": "not run"}}
+    assert gpu_claims_against("passes on one H100", [], "t") == [
+        "t: names H100, with no passing run on it in docs/gpu_smoke.json"]
+    assert gpu_claims_against("passes on one H100", [dict(run, checks={"a": "fail"})], "t") != []
+    assert gpu_claims_against("passes on one H100", [run], "t") == []
+    assert gpu_claims_against("no run is\nrecorded yet", [run], "t") != []

@@ -7,6 +7,10 @@ It is not collected by pytest (CI has no GPU). Each check runs in this one proce
 that raises is recorded with its traceback and the others still run. It prints one line per check and writes
 ``results.json`` to ``--out``; the exit status is 1 if any check failed. On ``--cpu`` the CUDA-only assertions
 (backend, pinned memory, CUDA memory counters) are replaced by their CPU meaning or left out, and say so.
+
+A run on a GPU also appends its result to the record of GPU runs, ``docs/gpu_smoke.json`` (``--record`` names
+another file): the device, the torch, CUDA, Lightning and lightning-fsdp versions, the commit, and each check's
+outcome. The docs' GPU sentences are read from that file (``tests/test_docs.py``); commit it with the run.
 """
 
 from __future__ import annotations
@@ -418,11 +422,33 @@ def readme_main_job_on_one_device(args):
     return {"seconds": round(time.perf_counter() - started, 1), "output_tail": tail[-1200:]}
 
 
+def _outcome(result: dict) -> str:
+    if not result["ok"]:
+        return "fail"
+    return "not run" if isinstance(result["details"], str) and result["details"].startswith("not run") else "pass"
+
+
+def record(path: Path, results: dict) -> None:
+    """Append this GPU run to the record (a JSON file with a ``runs`` list), written whole then renamed."""
+    import lightning_fsdp
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    runs.append(dict(results["header"], lightning_fsdp=lightning_fsdp.__version__, commit=commit or None,
+                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     checks={name: _outcome(r) for name, r in results["checks"].items()}))
+    path.with_suffix(".tmp").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    path.with_suffix(".tmp").replace(path)
+    print(f"recorded in {path}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU/gloo")
     parser.add_argument("--only", nargs="*", help="names of the checks to run")
+    parser.add_argument("--record", default=str(ROOT / "docs" / "gpu_smoke.json"),
+                        help="the record of GPU runs this run is appended to (not on --cpu)")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if not args.cpu and not torch.cuda.is_available():
@@ -456,6 +482,8 @@ def main() -> int:
         if not args.cpu:
             torch.cuda.empty_cache()
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    if not args.cpu:
+        record(Path(args.record), results)
     if dist.is_initialized():
         dist.destroy_process_group()
     print(f"{len(results['checks']) - failed} passed, {failed} failed", flush=True)
