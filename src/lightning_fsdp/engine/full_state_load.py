@@ -86,31 +86,26 @@ class _ShardFullTensors:
 def local_shard(full: Tensor, like: DTensor, *, own_storage: bool = False) -> DTensor:
     """This rank's piece of ``full`` as a DTensor with ``like``'s mesh and placements.
 
-    Each ``Shard(dim)`` axis of the mesh cuts the tensor with ``torch.chunk`` along ``dim``, as FSDP2 and DTensor do:
-    uneven sizes leave the last ranks a smaller or empty piece (a 5-row weight on 2 ranks: 3 rows and 2 rows; a
-    1-row one: 1 row and none). ``Replicate`` axes (hybrid sharding's replica axis, NO_SHARD) keep it whole. The
-    result is a view of ``full`` unless ``own_storage`` (for ``assign=True``, where a view would keep the whole
-    ``full`` alive as long as the parameter) or a move to ``like``'s device makes a copy of the shard alone.
+    Any list of placements that has one full value works: ``Shard``, ``Replicate`` and ``_StridedShard`` (FSDP over a
+    tensor-parallel column split) on any number of mesh axes. The piece is the box that DTensor itself reports for
+    this rank's shard (``like.__create_chunk_list__()``: its offsets and sizes in the full tensor, the ones DCP
+    writes and reads by), cut from ``full`` with ``narrow``: uneven sizes leave the last ranks a smaller or empty
+    piece, as FSDP2 and DTensor lay them out. ``Partial`` has no single full value and is refused. The result is a
+    view of ``full`` unless ``own_storage`` (for ``assign=True``, where a view would keep the whole ``full`` alive as
+    long as the parameter) or a move to ``like``'s device makes a copy of the shard alone.
     """
-    mesh = like.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # pragma: no cover - FSDP only builds meshes this rank belongs to
-        raise RuntimeError(f"internal error: this rank is not part of the mesh {mesh} of the parameter it is loading into.")
+    if any(placement.is_partial() for placement in like.placements):
+        raise NotImplementedError(
+            f"Cannot load a full tensor into a DTensor with placements {like.placements}: a Partial placement holds"
+            " summands, not a piece of one full value. HINT: load a state dict of DTensors (a sharded checkpoint)."
+        )
+    (chunk,) = like.__create_chunk_list__()
     piece = full.detach()
-    for axis, placement in enumerate(like.placements):
-        if placement.is_replicate():
-            continue
-        if not placement.is_shard():
-            raise NotImplementedError(
-                f"Cannot load a full tensor into a DTensor with placements {like.placements}: only Shard and"
-                " Replicate placements have a single full value. HINT: load a state dict of DTensors instead."
-            )
-        dim = placement.dim % max(piece.ndim, 1)
-        chunks = torch.chunk(piece, mesh.size(axis), dim=dim)
-        index = coordinate[axis]
-        piece = chunks[index] if index < len(chunks) else piece.narrow(dim, 0, 0)
+    for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+        if offset or size != piece.shape[dim]:
+            piece = piece.narrow(dim, offset, size)
     local = like.to_local()
-    if piece.shape != local.shape:  # pragma: no cover - the layout above is FSDP2's; a mismatch is a bug here
+    if piece.shape != local.shape:  # pragma: no cover - DTensor's own box for its own shard; a mismatch is a bug
         raise RuntimeError(
             f"internal error: the shard cut from a full tensor of shape {tuple(full.shape)} has shape"
             f" {tuple(piece.shape)}, but this rank's shard has shape {tuple(local.shape)} (placements {like.placements})."
