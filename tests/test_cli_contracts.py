@@ -66,6 +66,37 @@ def test_inspect_verify_exits_1_for_any_file_that_fails_its_checksum(sharded, tm
     assert len(err.strip().splitlines()) == 1 and str(bad / damaged) in err and "HINT:" in err, err
 
 
+def test_inspect_verify_exits_1_for_a_full_file_cut_short_and_a_missing_shard(sharded, tmp_path, capsys):
+    # Both are files that fail verification, so status 1 with the damage hint; before, a cut-short full file was
+    # "not a checkpoint" (status 2) and a missing shard got `convert`'s hint about DST (status 1).
+    import torch
+
+    full = tmp_path / "full.pt"
+    torch.save({"model": torch.nn.Linear(64, 64).state_dict(), "step": 3}, full)
+    assert main(["inspect", "--verify", str(full)]) == 0, capsys.readouterr()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    missing = tmp_path / "missing"
+    subprocess.run(["cp", "-r", str(sharded), str(missing)], check=True)
+    (missing / "__0_0.distcp").unlink()
+    for path, named in ((cut, cut), (missing, missing / "__0_0.distcp")):
+        capsys.readouterr()
+        status = main(["inspect", "--verify", str(path)])
+        err = capsys.readouterr().err
+        assert status == 1, (path, status, err)
+        assert len(err.strip().splitlines()) == 1 and repr(str(named)) in err, err
+        assert "HINT: the checkpoint is damaged" in err and "DST" not in err, err
+    # Without --verify a cut-short file is still input the user can fix (status 2), and so is a zip that torch.save
+    # did not write, with --verify or not.
+    assert main(["inspect", str(cut)]) == 2
+    other = tmp_path / "other.zip"
+    import zipfile
+
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    assert main(["inspect", "--verify", str(other)]) == 2
+
+
 def _help(parser, command: str) -> dict[str, str]:
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     return {a.option_strings[-1]: a.help or "" for a in sub._actions if a.option_strings}

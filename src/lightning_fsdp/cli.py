@@ -12,7 +12,7 @@ It runs in one process, without a process group, and streams tensors (see :mod:`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
 path, an existing DST without ``--overwrite``, a bad option, a file whose bytes do not parse), with one line on
 stderr that names the problem and the fix; 1 when the system fails the conversion (a full disk, a permission), or when ``inspect --verify`` finds
-bytes that do not match their checksums, also as one line; 130 when interrupted.
+any file damaged (bytes that do not match their checksums, a full file cut short) or missing, also as one line; 130 when interrupted.
 A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
 
 The progress bar (tqdm) goes to stderr while ``convert`` runs, when stderr is a terminal and the conversion takes
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zipfile
 from typing import Any, Callable, Optional
 
 from lightning_fsdp.checkpoint.convert import (
@@ -139,9 +140,13 @@ def _inspect(args: argparse.Namespace) -> int:
     except (UsageError, CheckpointError) as err:
         # Opening reads meta.pt and .metadata, checked against their digests: with --verify, a file that fails its
         # checksum is a failed verification (status 1), as a damaged shard is, not unreadable input (status 2).
+        # A file that begins as a zip archive but does not open as one was cut short: damaged, not the wrong input.
         failed_checksum = err if isinstance(err, ChecksumError) else err.__cause__
         if args.verify and isinstance(failed_checksum, ChecksumError):
             return _fail(str(err), 1)
+        if args.verify and _cut_short_zip(args.path):
+            return _fail(f"{args.path!r} begins as a torch.save zip archive but does not open as one: it was cut short"
+                         f" (truncated). {_DAMAGED}", 1)
         raise
     info = describe(source, tensors=args.tensors)
     if args.verify:
@@ -149,8 +154,22 @@ def _inspect(args: argparse.Namespace) -> int:
             info["checksums"] = "verified" if verify_checkpoint(args.path) else "none"
         except ChecksumError as err:
             return _fail(str(err), 1)
+        except FileNotFoundError as err:  # a shard that `.metadata` names is gone: a failed verification too
+            return _fail(f"{err.filename!r} is missing, though the checkpoint was saved with it. {_DAMAGED}", 1)
     print(json.dumps(info, indent=2) if args.json else _render(info))
     return 0
+
+
+_DAMAGED = "HINT: the checkpoint is damaged; load an earlier one, or save this one again."
+
+
+def _cut_short_zip(path: str) -> bool:
+    """A file that begins with a zip archive's first header but whose archive does not open (its end is missing)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+    except OSError:  # a directory, or unreadable: not a cut-short file
+        return False
 
 
 def _convert(args: argparse.Namespace) -> int:
