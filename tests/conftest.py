@@ -154,3 +154,14 @@ def tmpfs(tmp_path):
     yield make
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, started once per session (``tests/s3server.py`` says how to use it); skipped,
+    saying why, where ``moto[server]`` (the test extra) is not installed."""
+    pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+    import s3server
+
+    yield s3server.server()
+    s3server.stop()
