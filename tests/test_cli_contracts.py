@@ -97,20 +97,38 @@ def test_inspect_verify_exits_1_for_a_full_file_cut_short_and_a_missing_shard(sh
     assert main(["inspect", "--verify", str(other)]) == 2
 
 
-def _help(parser, command: str) -> dict[str, str]:
-    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
-    return {a.option_strings[-1]: a.help or "" for a in sub._actions if a.option_strings}
+# What each value-taking option's help must show: its allowed values, or its form by an example. An option missing
+# here fails the test, so a new option must say what it takes; "see the docs" names neither.
+_PLAN_FORMS = {
+    "--model": ["mypkg.models:build", "path/to/file.py:build"],
+    "--inputs": ["a tensor", "a tuple", "a dict"],
+    "--world-size": ["an integer >= 1"],
+    "--num-nodes": ["an integer >= 1"],
+    "--sharding-strategy": [strategy.value for strategy in ShardingStrategy],
+    "--auto-wrap-policy": ["module classes", "'auto'"],
+    "--activation-checkpointing-policy": ["module classes", "JSON", "'blocks'", "'every'", "'save_ops'"],
+    "--reshard-after-forward": ["reshard", "keep", "INT", "JSON"],
+    "--forward-prefetch": ["an integer >= 0"],
+    "--backward-prefetch": ["an integer >= 0"],
+    "--precision": list(SUPPORTED_PRECISION),
+    "--device-mesh": ["e.g. 2,4"],
+    "--tensor-parallel-size": ["a divisor of --world-size"],
+    "--tensor-parallel-plan": ["'auto'", "JSON", "e.g.", "mypkg.plans:PLAN"],
+    "--optimizer": ["adamw", "adam", "sgd"],
+    "--memory-budget": ["80GB", "70GiB", "bytes"],
+}
 
 
 def test_plan_help_documents_every_option_and_its_allowed_values():
-    helps = _help(_parser(), "plan")
-    assert not [option for option, text in helps.items() if not text.strip()], helps
-    for strategy in ShardingStrategy:
-        assert strategy.value in helps["--sharding-strategy"], helps["--sharding-strategy"]
-    for precision in SUPPORTED_PRECISION:
-        assert precision in helps["--precision"], helps["--precision"]
-    for optimizer in ("adamw", "adam", "sgd"):
-        assert optimizer in helps["--optimizer"]
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices["plan"]
+    options = {a.option_strings[-1]: a for a in sub._actions if a.option_strings}
+    takes_value = {name for name, action in options.items() if action.nargs != 0}
+    assert takes_value == set(_PLAN_FORMS), sorted(takes_value ^ set(_PLAN_FORMS))
+    for name, action in options.items():
+        text = action.help or ""
+        assert len(text.split()) >= 4, (name, text)  # even a flag says what it does
+        missing = [needle for needle in _PLAN_FORMS.get(name, []) + list(action.choices or []) if needle not in text]
+        assert not missing, f"{name}'s help {text!r} does not show {missing}"
 
 
 @pytest.mark.parametrize(
