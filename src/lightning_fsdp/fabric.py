@@ -95,6 +95,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         async_save: write sharded checkpoints in the background: ``save`` returns once the tensors are copied to host
             memory, and training continues while DCP writes. The next save, load or teardown waits for it and raises
             its error, if any. Ignored (with a warning) for ``state_dict_type="full"``.
+        storage_options: keyword arguments for the fsspec filesystem of checkpoint URLs (``s3://``, ``gs://``,
+            ``az://``, ...), e.g. ``{"endpoint_url": ...}``; credentials and endpoint otherwise come from the
+            environment as each filesystem reads them. ``save_checkpoint(..., storage_options=...)`` overrides it.
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
@@ -134,6 +137,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         backward_prefetch: Union[int, str, Enum] = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))
@@ -261,12 +265,13 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        self._refuse_storage_options(storage_options)
+        storage_options = self._storage_options(storage_options)
         full = self.config.state_dict_type == "full"
         background = self._background_saves if self.config.async_save and not full else None
         if background is None:
             self._background_saves.wait(self._engine)
-        checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter, background=background)
+        checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter, background=background,
+                                   storage_options=storage_options)
 
     def load_checkpoint(
         self,
@@ -281,7 +286,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
                 " pass them like so: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         self._background_saves.wait(self._engine)
-        return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine)
+        return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine,
+                                          storage_options=self._storage_options(None))
 
 class _EngineBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, engine: FSDPEngine) -> None:

@@ -51,6 +51,7 @@ from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_OPTIMIZER_LIST_KEY,
     id_keyed_optimizer_state,
 )
+from lightning_fsdp.checkpoint.io.urls import is_url
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.checkpoint.state import holds_dtensors
 from lightning_fsdp.engine.config import FSDPConfig
@@ -152,6 +153,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         backward_prefetch: Union[int, str] = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:
@@ -305,10 +307,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
-        self._refuse_storage_options(storage_options)
+        storage_options = self._storage_options(storage_options)
         if self.config.state_dict_type == "full":
             self._background_saves.wait(self._engine)
-            write_full(filepath, checkpoint, self._engine)
+            write_full(filepath, checkpoint, self._engine, storage_options=storage_options)
             return
         # Lightning's FSDP layout, which `lightning.pytorch.utilities.consolidate_checkpoint` reads.
         tensors = {"model": checkpoint.pop(TRAINER_MODEL_KEY)}
@@ -321,7 +323,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         background = self._background_saves if self.config.async_save else None
         if background is None:
             self._background_saves.wait(self._engine)
-        write_sharded(filepath, tensors, checkpoint, self._engine, background)
+        write_sharded(filepath, tensors, checkpoint, self._engine, background, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
@@ -329,7 +331,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         trainer = self.lightning_module.trainer
         keys = set()
         if averaging.averaged_modules(trainer):
-            keys = checkpoint.checkpoint_keys(checkpoint_path, weights_only=weights_only, comm=self._engine)
+            keys = checkpoint.checkpoint_keys(checkpoint_path, weights_only=weights_only, comm=self._engine,
+                                              storage_options=self._storage_options(None))
         models, average, averaged = averaging.load_request(trainer, self.model, keys)
         state: dict[str, Any] = dict(models)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -338,7 +341,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         # maps the keys asked for here onto either layout, and returns everything else for Lightning to restore.
         strict = self.lightning_module.strict_loading
         loaded = checkpoint.load_checkpoint(
-            checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine
+            checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine,
+            storage_options=self._storage_options(None),
         )
         self._restored_checkpoint = averaging.complete_for_callback(loaded, self.model, average, averaged)
         return self._restored_checkpoint
@@ -347,4 +351,4 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints right after the save that supersedes them returns;
         # a background save is not written yet then, so the removal waits for its commit (see `checkpoint.in_flight`).
         if self.is_global_zero:
-            self._background_saves.remove(Path(filepath))
+            self._background_saves.remove(filepath if is_url(filepath) else Path(filepath))

@@ -172,7 +172,7 @@ def bad_save_arguments_are_clear_errors():
     path = shared_tmpdir(fabric) / "ck"
     outcomes = {}
     for label, call, exc, needle in (
-        ("storage_options", lambda: fabric.strategy.save_checkpoint(path, {"model": model}, storage_options={}),
+        ("storage_options", lambda: fabric.strategy.save_checkpoint(path, {"model": model}, storage_options="x"),
          TypeError, "storage_options"),
         ("no_model", lambda: fabric.save(path, {"step": 1}), ValueError, "holds no model"),
         ("not_set_up", lambda: fabric.save(path, {"model": TinyTransformer()}), ValueError, "not set up"),

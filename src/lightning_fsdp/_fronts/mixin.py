@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp._fronts.registry import register_into
+from lightning_fsdp.checkpoint.io.urls import check_storage_options
 from lightning_fsdp.engine.config import FSDPConfig, check_fsdp1_kwargs
 from lightning_fsdp.engine.core import FSDPEngine
 
@@ -81,12 +82,12 @@ class FrontMixin:
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _refuse_storage_options(self, storage_options: Optional[Any]) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
-                " writes with DCP or torch.save and has no CheckpointIO. HINT: drop `storage_options`."
-            )
+    def _storage_options(self, storage_options: Optional[Any]) -> Optional[dict[str, Any]]:
+        """The fsspec options of a save or load: ``save_checkpoint``'s own, else the strategy's
+        ``storage_options``. Used for checkpoint URLs only (``s3://...``); a local path ignores them."""
+        if storage_options is None:
+            return self._engine.config.storage_options_dict
+        return check_storage_options(storage_options, f"{type(self).__name__}.save_checkpoint(..., storage_options)")
 
     @property
     def communicator(self) -> FSDPEngine:

@@ -42,7 +42,7 @@ from lightning_fsdp.checkpoint.integrity.digests import note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
-from lightning_fsdp.checkpoint.io import atomic
+from lightning_fsdp.checkpoint.io.store import is_url, store_for
 from lightning_fsdp.checkpoint.latest import resolve_latest
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 from lightning_fsdp.engine.full_state_load import has_own_load_hooks, load_full_from_rank0
@@ -57,26 +57,26 @@ def load_checkpoint(
     strict: bool = True,
     weights_only: Optional[bool] = None,
     comm: Communicator,
+    storage_options: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys.
 
-    A symlinked ``path`` reads the checkpoint it points to. A rank that dies during the load is reported on the
+    ``path`` may be a URL (``s3://...``; its filesystem gets ``storage_options``): its committed objects are read
+    (:mod:`~lightning_fsdp.checkpoint.io.store`). A symlinked ``path`` reads the checkpoint it points to. A rank that dies during the load is reported on the
     others as a ``CollectiveFailure``, like everywhere else.
     """
     with comm.guard(f"loading the checkpoint {str(path)!r}"):
-        path = resolve_latest(path, comm)  # `<dir>/latest`: the newest good step checkpoint there
-        return _load(path, state, strict, weights_only, comm)
+        # `<dir>/latest`: the newest good step checkpoint there (TODO(h4): through the store, once latest.py is free)
+        path = path if is_url(path) else resolve_latest(path, comm)
+        with store_for(path, storage_options).open_committed(path, comm) as source:
+            return _load(source, state, strict, weights_only, comm)
 
 
 def _load(
-    path: Union[str, Path], state: Union[Module, Optimizer, dict[str, Any]], strict: bool,
+    source: Path, state: Union[Module, Optimizer, dict[str, Any]], strict: bool,
     weights_only: Optional[bool], comm: Communicator,
 ) -> dict[str, Any]:
-    source = Path(comm.broadcast(str(atomic.resolve(Path(path)))))
     weights_only = True if weights_only is None else weights_only
-    if comm.global_rank == 0:
-        atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
-    comm.barrier()
     if isinstance(state, Module) and hf.is_hf_checkpoint(source):  # Hugging Face weights, e.g. to fine-tune
         hf.load_pretrained_weights(source, state, strict=strict, comm=comm)
         return {}
@@ -100,15 +100,19 @@ def _load(
     return {} if raw else remainder
 
 
-def checkpoint_keys(path: Union[str, Path], *, weights_only: Optional[bool] = None, comm: Communicator) -> set[str]:
+def checkpoint_keys(path: Union[str, Path], *, weights_only: Optional[bool] = None, comm: Communicator,
+                    storage_options: Optional[dict[str, Any]] = None) -> set[str]:
     """The top-level keys of a checkpoint of either format, on every rank, without reading any tensor data."""
-    source = Path(comm.broadcast(str(path)))
+    with store_for(path, storage_options).open_committed(path, comm) as source:
+        return _checkpoint_keys(source, weights_only, comm)
+
+
+def _checkpoint_keys(source: Path, weights_only: Optional[bool], comm: Communicator) -> set[str]:
     weights_only = True if weights_only is None else weights_only
 
     def read() -> Optional[set[str]]:
         if comm.global_rank != 0:
             return None
-        atomic.recover(source)
         if _detect(source):
             meta_file = source / METADATA_FILENAME
             metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}

@@ -1,7 +1,8 @@
 """Writing checkpoints: sharded (DCP), full (one file from rank 0), and sharded in the background.
 
-Every save writes to a staging path beside the target and moves it into place only when complete
-(:mod:`~lightning_fsdp.checkpoint.io.atomic`), and every failure is raised on all ranks (:mod:`~lightning_fsdp.checkpoint.integrity.agreement`).
+Every save writes to a staging path and commits it only when complete, through the store that keeps the target
+(:mod:`~lightning_fsdp.checkpoint.io.store`: a rename beside a local target, :mod:`~lightning_fsdp.checkpoint.io.atomic`; a
+commit object written last for a URL, :mod:`~lightning_fsdp.checkpoint.io.remote`), and every failure is raised on all ranks (:mod:`~lightning_fsdp.checkpoint.integrity.agreement`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.integrity.digests import new_save_id
 from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
-from lightning_fsdp.checkpoint.io import atomic, in_flight
+from lightning_fsdp.checkpoint.io import in_flight
 from lightning_fsdp.checkpoint.io.full_writer import save_file, write_full_checkpoint
 from lightning_fsdp.checkpoint.io.staging import ReusedStaging
+from lightning_fsdp.checkpoint.io.store import Target, store_for
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
 __all__ = [
@@ -47,8 +49,10 @@ def save_checkpoint(
     comm: Communicator,
     filter: Filter = None,
     background: Optional[AsyncSaves] = None,
-) -> Path:
-    """Write ``state`` (models, optimizers and plain values) to ``path``.
+    storage_options: Optional[dict[str, Any]] = None,
+) -> Target:
+    """Write ``state`` (models, optimizers and plain values) to ``path``: a local path, or a URL (``s3://...``) whose
+    filesystem gets ``storage_options``.
 
     With ``background`` (sharded only), the call returns once the tensors are staged in host memory; the write and
     the final rename happen in a background thread. ``background.wait()`` reports its outcome.
@@ -62,10 +66,12 @@ def save_checkpoint(
     if full:
         entries = {key: get_model_state_dict(module) for key, module in split.models.items()}
         entries.update({key: _optimizer_state(split, key) for key in split.optimizers})
-        return write_full(path, {**_filtered(entries, filter), **_filtered(split.metadata, filter)}, comm)
+        return write_full(path, {**_filtered(entries, filter), **_filtered(split.metadata, filter)}, comm,
+                          storage_options=storage_options)
     tensors = {key: get_model_state_dict(module) for key, module in split.models.items()}
     tensors.update({key: _optimizer_state(split, key) for key in split.optimizers})
-    return write_sharded(path, _filtered(tensors, filter), _filtered(split.metadata, filter), comm, background)
+    return write_sharded(path, _filtered(tensors, filter), _filtered(split.metadata, filter), comm, background,
+                         storage_options=storage_options)
 
 
 def write_sharded(
@@ -74,19 +80,22 @@ def write_sharded(
     metadata: dict[str, Any],
     comm: Communicator,
     background: Optional[AsyncSaves] = None,
-) -> Path:
+    storage_options: Optional[dict[str, Any]] = None,
+) -> Target:
     """Write a sharded checkpoint: ``tensors`` (state dicts of DTensors) through DCP, ``metadata`` to ``meta.pt``.
 
     The building block of :func:`save_checkpoint`, also for fronts whose checkpoints have a layout of their own.
     """
     with comm.guard(f"saving the checkpoint {str(path)!r}"):
-        return _write_sharded(path, tensors, metadata, comm, background)
+        return _write_sharded(path, tensors, metadata, comm, background, storage_options)
 
 
 def _write_sharded(
     path: Union[str, Path], tensors: dict[str, Any], metadata: dict[str, Any], comm: Communicator,
-    background: Optional[AsyncSaves],
-) -> Path:
+    background: Optional[AsyncSaves], storage_options: Optional[dict[str, Any]],
+) -> Target:
+    store = store_for(path, storage_options)
+
     # `meta.pt` goes first, in both modes: the checksums DCP's last step records bind it to the save (:mod:`~lightning_fsdp.checkpoint.integrity.sharded_write`).
     def stage_metadata(staged: Path) -> None:
         staged.mkdir(parents=True)
@@ -94,44 +103,48 @@ def _write_sharded(
 
     if background is not None:
         background.wait(comm)  # the previous background save first: its error is raised before anything is staged
-        target, staged, save_id = _prepare(path, comm, "Preparing the background save of", stage_metadata)
-        background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id))
+        target, staged, save_id = _prepare(store, path, comm, "Preparing the background save of", stage_metadata)
+        background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id), store=store)
         return target
 
-    target, staged, save_id = _prepare(path, comm, "Creating the staging directory for", stage_metadata)
+    target, staged, save_id = _prepare(store, path, comm, "Creating the staging directory for", stage_metadata)
     writer = ChecksumWriter(staged, save_id=save_id)
 
     def write() -> None:
         dcp.save(tensors, checkpoint_id=staged, storage_writer=writer, planner=_CachedPlans())
         if comm.global_rank == 0:
-            atomic.fsync_tree(staged)
+            store.flush(staged)
 
-    _write_then_commit(write, staged, target, comm)
+    _write_then_commit(store, write, staged, target, comm)
     return target
 
 
-def write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
+def write_full(path: Union[str, Path], obj: Any, comm: Communicator,
+               storage_options: Optional[dict[str, Any]] = None) -> Target:
     """Write ``obj`` as one ``torch.save`` file from rank 0, gathering DTensors one at a time as they are written,
     so rank 0 never holds the whole model (:mod:`~lightning_fsdp.checkpoint.io.full_writer`)."""
     with comm.guard(f"saving the checkpoint {str(path)!r}"):
-        return _write_full(path, obj, comm)
+        return _write_full(path, obj, comm, storage_options)
 
 
-def _write_full(path: Union[str, Path], obj: Any, comm: Communicator) -> Path:
-    target, staged, _ = _prepare(path, comm, "Checking the checkpoint path")
+def _write_full(path: Union[str, Path], obj: Any, comm: Communicator,
+                storage_options: Optional[dict[str, Any]]) -> Target:
+    store = store_for(path, storage_options)
+    target, staged, _ = _prepare(store, path, comm, "Checking the checkpoint path")
 
     def write() -> None:
         write_full_checkpoint(staged, obj, is_writer=comm.global_rank == 0)
         if comm.global_rank == 0:
-            atomic.fsync_tree(staged)
+            store.flush(staged)
 
-    _write_then_commit(write, staged, target, comm)
+    _write_then_commit(store, write, staged, target, comm)
     return target
 
 
 def _prepare(
-    path: Union[str, Path], comm: Communicator, what: str, on_rank_0: Optional[Callable[[Path], None]] = None,
-) -> tuple[Path, Path, str]:
+    store: Any, path: Union[str, Path], comm: Communicator, what: str,
+    on_rank_0: Optional[Callable[[Path], None]] = None,
+) -> tuple[Target, Path, str]:
     """The target, its staging path and the save id, with the target's folder checked on every rank and
     ``on_rank_0(staged)`` run on rank 0, all in one agreed step.
 
@@ -140,15 +153,13 @@ def _prepare(
     left alone, see `atomic`), the staging path's token, and the save id that the checksum of every item records
     (:mod:`~lightning_fsdp.checkpoint.integrity.sharded_write`).
     """
-    named = (str(Path(path)), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
+    named = (str(store.target(path)), uuid.uuid4().hex[:12], new_save_id()) if comm.global_rank == 0 else None
     resolved, token, save_id = comm.broadcast(named)
-    target = Path(resolved)
-    staged = atomic.staging_path(target, token)
+    target = store.target(resolved)
+    staged = store.staging(target, token, comm.global_rank)
 
     def check() -> None:
-        atomic.check_replaceable(target)
-        # Like torch.save through Lightning's CheckpointIO, a save creates the folder it writes into.
-        target.parent.mkdir(parents=True, exist_ok=True)
+        store.check_target(target, comm.global_rank)
         if on_rank_0 is not None and comm.global_rank == 0:
             on_rank_0(staged)
 
@@ -157,8 +168,7 @@ def _prepare(
         # the others now, not after they waited out the process group's timeout in the barrier.
         together(comm, f"{what} {str(target)!r}", check)
     except BaseException:
-        if comm.global_rank == 0:
-            atomic.discard(staged)  # e.g. a `meta.pt` that did not fit must not leave the staging directory behind
+        store.discard(staged, comm.global_rank)  # e.g. a `meta.pt` that did not fit must not stay behind
         raise
     return target, staged, save_id
 
@@ -174,15 +184,14 @@ class _CachedPlans(dcp.DefaultSavePlanner):
         super().__init__(enable_plan_caching=True)
 
 
-def _write_then_commit(write: Callable[[], None], staged: Path, target: Path, comm: Communicator) -> None:
+def _write_then_commit(
+    store: Any, write: Callable[[], None], staged: Path, target: Target, comm: Communicator,
+) -> None:
     try:
         together(comm, f"Writing the checkpoint {str(target)!r}", write)
-        # Rank 0 alone moves the checkpoint into place; its failure is agreed, so no rank returns as if saved.
-        together(comm, f"Moving the checkpoint into place at {str(target)!r}",
-                 lambda: atomic.commit(staged, target) if comm.global_rank == 0 else None)
+        store.commit(staged, target, comm)  # agreed on every rank: no rank returns as if saved when one failed
     except BaseException:
-        if comm.global_rank == 0:
-            atomic.discard(staged)
+        store.discard(staged, comm.global_rank)
         raise
 
 
@@ -231,7 +240,7 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self._future: Optional[Future] = None
-        self._target: Optional[Path] = None
+        self._target: Optional[Target] = None
         self._group: Optional[dist.ProcessGroup] = None
         self._commit_error: Optional[BaseException] = None
         self._committed = threading.Event()
@@ -243,9 +252,11 @@ class AsyncSaves:
     def in_flight(self) -> bool:
         return self._future is not None
 
-    def start(self, tensors: dict[str, Any], staged: Path, target: Path, comm, writer: ChecksumWriter) -> None:
+    def start(self, tensors: dict[str, Any], staged: Path, target: Target, comm, writer: ChecksumWriter,
+              store: Any) -> None:
         """Stage ``tensors`` and write them to ``staged`` (which rank 0 has created, with ``meta.pt`` in it) in the
-        background; rank 0 then moves it to ``target``."""
+        background; the store then commits it to ``target`` from the background thread (a rename by rank 0, or
+        every rank's upload and then the commit object)."""
         self.wait(comm)
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -253,32 +264,23 @@ class AsyncSaves:
             future = dcp.async_save(tensors, checkpoint_id=staged, storage_writer=writer, process_group=self._group,
                                     planner=_CachedPlans(), async_stager=self._stager)
         except BaseException:
-            if comm.global_rank == 0:
-                atomic.discard(staged)
+            store.discard(staged, comm.global_rank)
             raise
         self._future, self._target, self._commit_error = future, target, None
         self._committed = threading.Event()
         self._removals.hold()
         in_flight.track(self, comm, self._group)
-        if comm.global_rank == 0:
-            future.add_done_callback(lambda f: self._commit_when_written(f, staged, target))
-        else:
-            self._committed.set()
+        group_comm = in_flight.GroupComm(comm.global_rank, self._group)
+        future.add_done_callback(lambda f: self._commit_when_written(f, staged, target, store, group_comm))
 
-    def _commit_when_written(self, future: Future, staged: Path, target: Path) -> None:
+    def _commit_when_written(self, future: Future, staged: Path, target: Target, store: Any, comm: Any) -> None:
         try:
-            failure = future.exception()
-            if failure is not None:
-                self._commit_error = failure
-                self._removals.failed()
-                atomic.discard(staged)
-                return
-            atomic.fsync_tree(staged)
-            atomic.commit(staged, target)
+            store.commit_in_background(staged, target, comm, future.exception())
             self._removals.committed()
         except BaseException as err:  # noqa: BLE001 - surfaced by `wait`
             self._commit_error = err
             self._removals.failed()
+            store.discard(staged, comm.global_rank)
         finally:
             # `Future.result()` can return before the callbacks have run; `wait` waits for this instead.
             self._committed.set()
@@ -301,7 +303,7 @@ class AsyncSaves:
 
         together(comm, f"The background save of {str(target)!r}", finish)
 
-    def remove(self, path: Path) -> None:
+    def remove(self, path: Target) -> None:
         """Remove the checkpoint at ``path`` (on rank 0, where it is called), once the save in flight, if any, is
         committed; never if that save fails."""
         self._removals.remove(path)

@@ -99,6 +99,13 @@ class FSDPConfig:
     forward_prefetch: int = 0  # units ahead; 0: FSDP2's default (see `prefetch.py`)
     backward_prefetch: int = 1  # units ahead; 1: FSDP2's default
     tensor_parallel: TensorParallel = TensorParallel(1, None)  # see `tensor_parallel.py`
+    # keyword arguments of the fsspec filesystem of checkpoint URLs (see `checkpoint/io/urls.py`); a tuple of pairs,
+    # so the frozen config stays hashable
+    storage_options: Optional[tuple[tuple[str, Any], ...]] = None
+
+    @property
+    def storage_options_dict(self) -> Optional[dict[str, Any]]:
+        return None if self.storage_options is None else dict(self.storage_options)
 
     @property
     def cpu_offload(self) -> bool:
@@ -126,6 +133,7 @@ class FSDPConfig:
         backward_prefetch: Any = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: PlanInput = None,
+        storage_options: Optional[dict[str, Any]] = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         tensor_parallel = parse_tensor_parallel(tensor_parallel_size, tensor_parallel_plan)
@@ -155,6 +163,7 @@ class FSDPConfig:
             forward_prefetch=parse_forward_prefetch(forward_prefetch),
             backward_prefetch=parse_backward_prefetch(backward_prefetch),
             tensor_parallel=tensor_parallel,
+            storage_options=_parse_storage_options(storage_options),
         )
 
 
@@ -290,6 +299,18 @@ def _parse_choice(argument: str, value: Any, allowed: tuple[str, ...]) -> Any:
     raise ValueError(
         bad_argument(argument, value, ", ".join(repr(a) for a in allowed), f"Use e.g. `{argument}={allowed[0]!r}`.")
     )
+
+
+def _parse_storage_options(value: Any) -> Optional[tuple[tuple[str, Any], ...]]:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(bad_argument(
+            "storage_options", value, "None or a dict of keyword arguments for the fsspec filesystem of checkpoint URLs",
+            "Pass e.g. `storage_options={'endpoint_url': 'http://host:9000'}` (YAML: a mapping), or leave it out and"
+            " set the credentials and endpoint in the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+        ))
+    return tuple(sorted(value.items()))
 
 
 def _parse_async_save(value: Any, state_dict_type: Any) -> bool:

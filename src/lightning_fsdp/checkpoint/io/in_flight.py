@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lightning_fsdp._base import process_exit
 
-__all__ = ["DeferredRemovals", "remove_checkpoint", "track", "untrack"]
+__all__ = ["DeferredRemovals", "GroupComm", "remove_checkpoint", "track", "untrack"]
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -106,7 +106,7 @@ def track(saves: Any, comm: Any, group: Optional[dist.ProcessGroup]) -> None:
     """``saves`` has a save in flight: finish it at exit unless ``untrack``'ed first. ``group``: the process group of
     its background collectives, where the agreement at exit runs."""
     global _registered
-    _outstanding[id(saves)] = (saves, _GroupComm(comm.global_rank, group))
+    _outstanding[id(saves)] = (saves, GroupComm(comm.global_rank, group))
     if not _registered:
         _registered = True
         # Registered after the process-exit handler (which the engine registers when it creates the process group),
@@ -141,12 +141,17 @@ def _finish_at_exit() -> None:
         process_exit.exit_with_status(1)
 
 
-class _GroupComm:
+class GroupComm:
     """``together``'s view of the background saves' own process group: used at exit, when the training code on
     other ranks is done, so the agreement cannot interleave with a collective of the default group."""
 
     def __init__(self, global_rank: int, group: Optional[dist.ProcessGroup]) -> None:
         self.global_rank, self._group = global_rank, group
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group a store's commit gathers over (:mod:`~lightning_fsdp.checkpoint.io.remote`)."""
+        return self._group
 
     def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]:
         if self._group is None or not dist.is_initialized():

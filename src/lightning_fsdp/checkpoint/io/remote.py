@@ -1,0 +1,420 @@
+"""Checkpoints on any fsspec filesystem (S3, GCS, Azure, ``memory://``), committed by one small object written last.
+
+Object stores have no atomic rename, so the local design (write aside, then rename) does not carry over. What they
+do have: a single-object PUT is atomic (a reader sees the old object or the new one), and S3 and moto honour
+conditional writes (``If-None-Match: *`` creates only if absent, ``If-Match: <etag>`` replaces only the version read).
+
+Layout of a checkpoint at ``U`` (either format)::
+
+    U/.<token>/...       the save's objects, under a prefix of its own (the token: one per save, agreed by all ranks)
+    U/COMMIT             json, written last: the token, every object with its size (small ones with an xxh3 digest),
+                         the kind (full or sharded), the commit-order key, the time
+
+A save (:meth:`FsspecStore.commit`): each rank uploads its staged files under ``U/.<token>/`` (several in flight per
+rank); every rank's outcome is agreed; rank 0 writes ``COMMIT`` conditionally (create for a new path, replace only the
+version it read over an existing checkpoint, so a concurrent writer fails clearly); only then are the previous
+token's objects deleted, with any other save's leftovers and incomplete multipart uploads under ``U``. A reader
+(:meth:`FsspecStore.open_committed`) reads ``COMMIT`` and then only the objects it names, checks their sizes, and runs
+the same integrity checks as for a local checkpoint. A save that dies before its ``COMMIT`` changes nothing a reader
+sees: it can never produce a load that mixes two saves. Listings are used only to find candidates and leftovers,
+never to decide what is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch.distributed as dist
+import xxhash
+
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
+from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, split_url
+
+__all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
+
+COMMIT_NAME = "COMMIT"
+COMMIT_FORMAT = "lightning-fsdp-commit"
+COMMIT_VERSION = 1
+_DIGEST_BELOW = 4 * 2**20  # objects this small get a digest in COMMIT (.metadata, meta.pt, checksums.json)
+_RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
+_ATTEMPTS = 4  # our own retries of a transient failure, on top of the filesystem's (s3fs: 5), with backoff
+_BACKOFF_S = 0.25
+_TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "RequestTimeout", "reset by peer",
+              "Connection", "timed out", "Timeout")
+
+
+def commit_order_key() -> int:
+    """The key that ranks commits (newest last), recorded in COMMIT by the save."""
+    return time.time_ns()
+
+
+class FsspecStore:
+    remote = True
+
+    def __init__(self, protocol: str, storage_options: Optional[dict[str, Any]]) -> None:
+        self.protocol, self.options = protocol, storage_options
+        self._fs: Any = None
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            self._fs = filesystem(f"{self.protocol}://", self.options)
+        return self._fs
+
+    # --- naming ---------------------------------------------------------------------------------------------
+
+    def target(self, path: Union[str, Path]) -> str:
+        return str(path).rstrip("/")
+
+    def display(self, path: Any) -> str:
+        return str(path)
+
+    def staging(self, target: Any, token: str, rank: int) -> Path:
+        root = Path(tempfile.gettempdir()) / f"lightning-fsdp-{token}-r{rank}"
+        root.mkdir(parents=True, exist_ok=True)
+        return root / (basename(str(target)) or "checkpoint")
+
+    def flush(self, staged: Path) -> None:
+        """Nothing: the upload reads the staged files, and the store keeps them once the commit is written."""
+
+    # --- saving ---------------------------------------------------------------------------------------------
+
+    def check_target(self, target: Any, rank: int) -> None:
+        if rank != 0:
+            return
+        self._retrying(target, "checking", lambda: self._check_target(target))
+
+    def _check_target(self, target: str) -> None:
+        fs = self.fs
+        fs.invalidate_cache()
+        if self.protocol in EXTRAS:
+            bucket = split_url(target)[1].split("/", 1)[0]
+            if not fs.exists(f"{self.protocol}://{bucket}"):
+                raise FileNotFoundError(errno.ENOENT, f"The bucket {bucket!r} of {target!r} does not exist (or these"
+                                        " credentials cannot see it). HINT: create it (e.g. `aws s3 mb"
+                                        f" {self.protocol}://{bucket}`), or fix the checkpoint URL.")
+        if fs.isfile(target):
+            raise FileExistsError(errno.EEXIST, f"{target!r} is an existing object that is not a checkpoint, so it"
+                                  " is left untouched. HINT: choose another path, or remove it yourself.")
+        try:
+            names = [_leaf(n) for n in fs.ls(target, detail=False)]
+        except FileNotFoundError:
+            return
+        foreign = [n for n in names if n != COMMIT_NAME and not n.startswith(".")]
+        if foreign:
+            raise IsADirectoryError(errno.EISDIR, f"{target!r} holds objects no checkpoint save wrote"
+                                    f" ({', '.join(sorted(foreign)[:5])}), and a checkpoint there would hide them."
+                                    " HINT: choose another path, or move those objects elsewhere.")
+
+    def commit(self, staged: Any, target: Any, comm: Communicator, group: Any = None,
+               failure: Optional[BaseException] = None) -> None:
+        """Upload every rank's staged files, agree that all arrived, then rank 0 writes COMMIT. ``failure``: this
+        rank's write failed (a background save); it still takes part, so no rank waits for it."""
+        staged, target = Path(staged), str(target)
+        token = _token_of(staged)
+
+        def upload() -> dict[str, list]:
+            if failure is not None:
+                raise failure
+            return self._retrying(target, "uploading to", lambda: self._upload(staged, target, token))
+
+        try:
+            mine = together(comm, f"Uploading the checkpoint to {target!r}", upload)
+            objects: dict[str, list] = {}
+            for part in _gather(mine, group):
+                objects.update(part)
+            kind = "sharded" if staged.is_dir() else "full"  # rank 0's staged save says (only rank 0 commits)
+            together(comm, f"Committing the checkpoint {target!r}",
+                     lambda: self._write_commit(target, token, objects, kind) if comm.global_rank == 0 else None)
+        except BaseException:
+            if comm.global_rank == 0:
+                with contextlib.suppress(Exception):  # best effort: the next save to this path removes them too
+                    self.fs.rm(join(target, "." + token), recursive=True)
+            raise
+        finally:
+            self.discard(staged, comm.global_rank)
+        if comm.global_rank == 0:
+            with contextlib.suppress(Exception):  # committed; leftovers are removed by the next save or `clean`
+                clean_target(self.fs, target, keep=token)
+
+    def commit_in_background(self, staged: Path, target: Any, comm: Any, failure: Optional[BaseException]) -> None:
+        self.commit(staged, target, comm, group=getattr(comm, "process_group", None), failure=failure)
+
+    def _upload(self, staged: Path, target: str, token: str) -> dict[str, list]:
+        if not staged.exists():
+            return {}  # a full save: only rank 0 has the file
+        files = sorted(p for p in staged.rglob("*") if p.is_file()) if staged.is_dir() else [staged]
+        names = [p.relative_to(staged).as_posix() if staged.is_dir() else staged.name for p in files]
+        objects = {}
+        for file, name in zip(files, names):
+            size = file.stat().st_size
+            digest = xxhash.xxh3_64_intdigest(file.read_bytes()) if size < _DIGEST_BELOW else None
+            objects[name] = [size, digest]
+        if files:
+            # One call for all: the filesystem keeps several uploads in flight (s3fs: a batch at a time, each large
+            # file in concurrent multipart chunks).
+            self.fs.put([str(f) for f in files], [join(target, "." + token, n) for n in names])
+        return objects
+
+    def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str) -> None:
+        record = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "token": token, "kind": kind,
+                  "name": basename(target), "objects": objects, "order": commit_order_key(), "time": time.time()}
+        payload = json.dumps(record, sort_keys=True).encode()
+        url = join(target, COMMIT_NAME)
+        self._retrying(target, "committing", lambda: self._put_commit(url, payload))
+
+    def _put_commit(self, url: str, payload: bytes) -> None:
+        fs = self.fs
+        fs.invalidate_cache(url)
+        call_s3 = getattr(fs, "call_s3", None)
+        if call_s3 is None:  # a store without conditional writes here: one PUT, still atomic for readers
+            fs.pipe_file(url, payload)
+            return
+        try:
+            etag = fs.info(url).get("ETag")
+        except FileNotFoundError:
+            etag = None
+        bucket, key, _ = fs.split_path(url)
+        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            call_s3("put_object", Bucket=bucket, Key=key, Body=payload, **condition)
+        except Exception as err:  # noqa: BLE001 - a lost race is said as such; anything else goes on
+            if "PreconditionFailed" in repr(err) or "412" in str(err):
+                raise FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this"
+                                      " one was uploading, so this one was not committed (the other one stands)."
+                                      " HINT: give each writer its own checkpoint path.") from err
+            raise
+        fs.invalidate_cache(url)
+
+    def discard(self, staged: Path, rank: int) -> None:
+        shutil.rmtree(Path(staged).parent, ignore_errors=True)
+
+    # --- reading --------------------------------------------------------------------------------------------
+
+    def read_commit(self, target: str) -> Optional[dict[str, Any]]:
+        """What ``target``'s COMMIT records, or None when there is none (no checkpoint, or one never committed)."""
+        def read() -> Optional[dict[str, Any]]:
+            try:
+                payload = self.fs.cat_file(join(target, COMMIT_NAME))
+            except FileNotFoundError:
+                return None
+            try:
+                record = json.loads(payload)
+                assert isinstance(record, dict) and record.get("format") == COMMIT_FORMAT
+                assert isinstance(record["objects"], dict) and isinstance(record["token"], str)
+            except Exception as err:  # noqa: BLE001
+                raise ValueError(f"{join(target, COMMIT_NAME)!r} is not a commit record this version reads ({err!r})."
+                                 " HINT: load it with the lightning-fsdp version that saved it, or a newer one.") from err
+            return record
+        return self._retrying(target, "reading", read)
+
+    @contextlib.contextmanager
+    def open_committed(self, path: Union[str, Path], comm: Communicator) -> Iterator[Path]:
+        target = self.target(path)
+
+        def read() -> Optional[dict[str, Any]]:
+            if comm.global_rank != 0:
+                return None
+            record = self.read_commit(target)
+            if record is None:
+                raise FileNotFoundError(errno.ENOENT, f"{target!r} holds no committed checkpoint (no"
+                                        f" {COMMIT_NAME} object there: nothing was saved, or the save did not finish)."
+                                        " HINT: pass the URL a save wrote, or an earlier checkpoint.")
+            return record
+
+        record = comm.broadcast(together(comm, f"Opening the checkpoint {target!r}", read))
+        root = Path(tempfile.mkdtemp(prefix="lightning-fsdp-load-"))
+        local = root / (record.get("name") or "checkpoint")
+        try:
+            together(comm, f"Downloading the checkpoint {target!r}",
+                     lambda: self._retrying(target, "downloading", lambda: self._download(target, record, local)))
+            try:
+                yield local
+            except Exception as err:
+                raise _renamed(err, str(local), target)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _download(self, target: str, record: dict[str, Any], local: Path) -> None:
+        prefix = join(target, "." + record["token"])
+        objects = record["objects"]
+        sharded = record.get("kind") == "sharded"
+        if sharded:
+            local.mkdir(parents=True, exist_ok=True)
+        places = {name: (local / name if sharded else local) for name in objects}
+        small = [n for n, (size, _) in objects.items() if size <= _RANGE]
+        if small:
+            for place in places.values():
+                place.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get([join(prefix, n) for n in small], [str(places[n]) for n in small])
+        for name in [n for n in objects if n not in small]:
+            size = objects[name][0]
+            starts = list(range(0, size, _RANGE))
+            url = join(prefix, name)
+            pieces = self.fs.cat_ranges([url] * len(starts), starts, [min(s + _RANGE, size) for s in starts])
+            with open(places[name], "wb") as out:
+                for piece in pieces:
+                    if isinstance(piece, Exception):
+                        raise piece
+                    out.write(piece)
+        for name, (size, digest) in objects.items():
+            place = places[name]
+            actual = place.stat().st_size if place.is_file() else -1
+            if actual != size:
+                raise _damaged(join(prefix, name), f"it has {actual} bytes, its commit records {size}")
+            if digest is not None and xxhash.xxh3_64_intdigest(place.read_bytes()) != digest:
+                raise _damaged(join(prefix, name), "its bytes do not match the digest its commit records")
+
+    # --- listing and removing -------------------------------------------------------------------------------
+
+    def exists(self, path: Any) -> bool:
+        return self.read_commit(self.target(path)) is not None
+
+    def remove(self, target: Any) -> None:
+        """Remove a checkpoint: its COMMIT first (it is then gone for every reader), then its objects."""
+        target = self.target(target)
+        fs = self.fs
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(join(target, COMMIT_NAME))
+        fs.invalidate_cache()
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(target, recursive=True)
+        clean_target(fs, target, keep=None)
+
+    def checkpoints_in(self, directory: Any) -> list[tuple[str, str, dict]]:
+        """The committed checkpoints directly in ``directory``: the listing names candidates (a fresh one, not a
+        cached one), and each one's COMMIT decides."""
+        directory = self.target(directory)
+        fs = self.fs
+        fs.invalidate_cache()
+        try:
+            entries = fs.ls(directory, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            name = _leaf(entry)
+            if name.startswith(".") or name == COMMIT_NAME:
+                continue
+            url = join(directory, name)
+            record = self.read_commit(url)
+            if record is not None:
+                found.append((name, url, record))
+        return found
+
+    # --- errors ---------------------------------------------------------------------------------------------
+
+    def _retrying(self, target: str, what: str, step: Callable[[], Any]) -> Any:
+        """``step()``, again after a transient failure (bounded, with backoff), then one error naming the URL."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                return step()
+            except CheckpointError:
+                raise  # damage, said with the object's URL: retrying reads the same bytes
+            except (FileNotFoundError, FileExistsError, IsADirectoryError, ValueError) as err:
+                if getattr(err, "errno", None) is not None or isinstance(err, ValueError):
+                    raise  # ours, already said with the URL and the fix
+                raise self.explain(err, target, what) from err
+            except Exception as err:  # noqa: BLE001
+                if attempt + 1 < _ATTEMPTS and _transient(err):
+                    time.sleep(_BACKOFF_S * 2**attempt)
+                    self.fs.invalidate_cache()
+                    continue
+                raise self.explain(err, target, what) from err
+        raise AssertionError("internal error: the retry loop ended without an outcome")
+
+    def explain(self, err: BaseException, target: str, what: str) -> BaseException:
+        cause = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
+        if isinstance(err, PermissionError) or "AccessDenied" in cause or "Credentials" in cause \
+                or "InvalidAccessKeyId" in cause or "SignatureDoesNotMatch" in cause or "Forbidden" in cause:
+            return PermissionError(errno.EACCES, f"Access to {target!r} was refused while {what} it ({cause})."
+                                   " HINT: check the credentials (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
+                                   " or `storage_options={'key': ..., 'secret': ...}`) and that they may read and"
+                                   " write that bucket.")
+        if isinstance(err, FileNotFoundError):
+            return FileNotFoundError(errno.ENOENT, f"{target!r} was not found while {what} it ({cause}). HINT: check"
+                                     " the URL and that its bucket exists.")
+        if _transient(err) or isinstance(err, (ConnectionError, TimeoutError, OSError)):
+            return ConnectionError(f"The store at {target!r} failed while {what} it, after {_ATTEMPTS} attempts"
+                                   f" ({cause}). HINT: check the endpoint (AWS_ENDPOINT_URL or"
+                                   " `storage_options={'endpoint_url': ...}`) and the network, then save again; the"
+                                   " previous checkpoint there is unchanged.")
+        return RuntimeError(f"The store failed while {what} {target!r} ({cause}). HINT: the previous checkpoint there"
+                            " is unchanged; fix the cause and save again.")
+
+
+def clean_target(fs: Any, target: str, keep: Optional[str]) -> list[str]:
+    """Remove the objects of saves that never committed at ``target`` (every token prefix but ``keep``) and abort
+    incomplete multipart uploads under it. Returns what was removed."""
+    fs.invalidate_cache()
+    removed = []
+    try:
+        names = [_leaf(n) for n in fs.ls(target, detail=False)]
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        if name.startswith(".") and name != f".{keep}":
+            fs.rm(join(target, name), recursive=True)
+            removed.append(join(target, name))
+    if hasattr(fs, "list_multipart_uploads"):
+        bucket, key, _ = fs.split_path(target)
+        for upload in fs.list_multipart_uploads(bucket):
+            under = upload.get("Key", "")
+            if under.startswith(key + "/.") and not (keep and under.startswith(f"{key}/.{keep}/")):
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=under, UploadId=upload["UploadId"])
+                removed.append(f"{split_url(target)[0]}://{bucket}/{under} (multipart upload)")
+    fs.invalidate_cache()
+    return removed
+
+
+def clean(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[str]:
+    """Remove what unfinished saves left at the checkpoint ``url`` (objects no COMMIT names, incomplete multipart
+    uploads); a committed checkpoint there is kept. Returns what was removed. (``lightning-fsdp clean URL``.)"""
+    store = FsspecStore(split_url(url)[0], storage_options)
+    target = store.target(url)
+    record = store.read_commit(target)
+    return clean_target(store.fs, target, keep=None if record is None else record["token"])
+
+
+def _leaf(listed: str) -> str:
+    """The last name of a path a listing gave (with or without the protocol)."""
+    return listed.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _token_of(staged: Path) -> str:
+    return staged.parent.name[len("lightning-fsdp-"):].rsplit("-r", 1)[0]
+
+
+def _gather(mine: Any, group: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def _transient(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}"
+    return isinstance(err, (ConnectionError, TimeoutError)) or any(word in text for word in _TRANSIENT)
+
+
+def _damaged(url: str, why: str) -> Exception:
+    from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+
+    return ChecksumError(f"The object {url!r} is damaged: {why}. HINT: load an earlier checkpoint, or save this one"
+                         " again.")
+
+
+def _renamed(err: BaseException, local: str, target: str) -> BaseException:
+    """``err`` with the temporary local copy's path replaced by the URL it came from, in its message."""
+    err.args = tuple(a.replace(local, target) if isinstance(a, str) else a for a in err.args)
+    if isinstance(err, OSError) and isinstance(err.strerror, str):
+        err.strerror = err.strerror.replace(local, target)
+    return err

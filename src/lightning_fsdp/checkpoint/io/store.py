@@ -1,0 +1,158 @@
+"""Where checkpoints are kept: one interface for a local filesystem and for any fsspec URL.
+
+Every operation (save, load, ``latest``, retention, convert, verify) reaches its store through :func:`store_for`, and
+no code above this module asks whether a path is remote. The seam keeps every format writer and reader as it is:
+
+- ``staging(target, token, rank)``: a local path the existing writers fill (local: the hidden staging path beside
+  the target; remote: a temporary folder on the rank's host);
+- ``commit(staged, target, comm)``: make it the checkpoint at ``target``, whole or not at all, on every rank
+  together (local: one rename by rank 0; remote: see :mod:`~lightning_fsdp.checkpoint.io.remote`);
+- ``open_committed(path, comm)``: a local path to read a committed checkpoint from, for the time of a load (local:
+  the path itself; remote: the objects its commit names, fetched and size-checked, removed after the load).
+
+The integrity checks run on what ``open_committed`` gives, so they are the same on every store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional, Protocol, Union
+
+from lightning_fsdp.checkpoint.formats.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
+from lightning_fsdp.checkpoint.io import atomic, in_flight
+from lightning_fsdp.checkpoint.io.urls import check_storage_options, is_url, local_path
+
+__all__ = ["Store", "LocalStore", "store_for", "is_url", "Target"]
+
+Target = Union[Path, str]  # a local Path, or a URL string (never a Path: it would fold "s3://" into "s3:/")
+
+
+class Store(Protocol):
+    """What the checkpoint operations need from a place that keeps checkpoints."""
+
+    def target(self, path: Union[str, Path]) -> Target:
+        """The normalized checkpoint path a save writes to (a link is replaced, not followed; see ``atomic``)."""
+
+    def staging(self, target: Target, token: str, rank: int) -> Path:
+        """The local path this rank's writers fill for the save ``token``."""
+
+    def check_target(self, target: Target, rank: int) -> None:
+        """Refuse a target that holds something other than a checkpoint; create what the save writes into."""
+
+    def flush(self, staged: Path) -> None:
+        """Make the staged bytes durable before the commit (rank 0)."""
+
+    def commit(self, staged: Target, target: Target, comm: Communicator) -> None:
+        """Collective: make the staged save the checkpoint at ``target``; raises on every rank when any failed."""
+
+    def discard(self, staged: Path, rank: int) -> None:
+        """Remove what a failed save staged on this rank."""
+
+    def open_committed(self, path: Union[str, Path], comm: Communicator) -> contextlib.AbstractContextManager[Path]:
+        """Collective: a local path holding the committed checkpoint at ``path`` for the time of the block."""
+
+    def exists(self, path: Target) -> bool: ...
+
+    def remove(self, target: Target) -> None:
+        """Remove a checkpoint (retention, ``ModelCheckpoint``): a link alone, never what it points to."""
+
+    def checkpoints_in(self, directory: Target) -> list[tuple[str, Target, dict]]:
+        """The committed checkpoints directly in ``directory``: (name, path, what the commit recorded)."""
+
+    def display(self, path: Target) -> str: ...
+
+
+class LocalStore:
+    """Today's local behaviour, byte for byte: staging beside the target, one rename (``atomic``)."""
+
+    remote = False
+
+    def target(self, path: Union[str, Path]) -> Path:
+        return local_path(path)
+
+    def staging(self, target: Target, token: str, rank: int) -> Path:
+        return atomic.staging_path(Path(target), token)
+
+    def check_target(self, target: Target, rank: int) -> None:
+        target = Path(target)
+        atomic.check_replaceable(target)
+        # Like torch.save through Lightning's CheckpointIO, a save creates the folder it writes into.
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    def flush(self, staged: Path) -> None:
+        atomic.fsync_tree(staged)
+
+    def commit(self, staged: Target, target: Target, comm: Communicator) -> None:
+        # Rank 0 alone moves the checkpoint into place; its failure is agreed, so no rank returns as if saved.
+        together(comm, f"Moving the checkpoint into place at {str(target)!r}",
+                 lambda: atomic.commit(Path(staged), Path(target)) if comm.global_rank == 0 else None)
+
+    def commit_in_background(self, staged: Path, target: Target, comm: Any, failure: Optional[BaseException]) -> None:
+        """The commit of a background save, from the thread that finished writing it (on every rank; ``failure``:
+        the write's error). Rank 0 alone renames here."""
+        if failure is not None:
+            raise failure
+        if comm.global_rank == 0:
+            self.flush(staged)
+            atomic.commit(staged, Path(target))
+
+    def discard(self, staged: Path, rank: int) -> None:
+        if rank == 0:
+            atomic.discard(staged)
+
+    @contextlib.contextmanager
+    def open_committed(self, path: Union[str, Path], comm: Communicator) -> Iterator[Path]:
+        source = Path(comm.broadcast(str(atomic.resolve(local_path(path)))))
+        if comm.global_rank == 0:
+            atomic.recover(source)  # a save that died between its two renames left the old checkpoint aside
+        comm.barrier()
+        yield source
+
+    def exists(self, path: Target) -> bool:
+        path = Path(path)
+        return path.exists() or path.is_symlink()
+
+    def remove(self, target: Target) -> None:
+        in_flight.remove_checkpoint(Path(target))
+
+    def checkpoints_in(self, directory: Target) -> list[tuple[str, Target, dict]]:
+        directory = Path(directory)
+        if not directory.is_dir():
+            return []
+        found = []
+        for entry in directory.iterdir():
+            if entry.name.startswith("."):  # staging copies of saves in flight or killed, and backups
+                continue
+            if is_sharded_checkpoint(entry) or is_full_checkpoint(entry):
+                found.append((entry.name, entry, {"mtime_ns": entry.stat().st_mtime_ns}))
+        return found
+
+    def display(self, path: Target) -> str:
+        return str(path)
+
+
+_LOCAL = LocalStore()
+_remote_stores: dict[tuple, Any] = {}
+_lock = threading.Lock()
+
+
+def store_for(path: Union[str, Path, Any], storage_options: Optional[dict[str, Any]] = None) -> Any:
+    """The store that keeps ``path``: :class:`LocalStore` for a local path or ``file://``, an ``FsspecStore`` for any
+    other URL (one per filesystem and options in each process)."""
+    if not is_url(path):
+        return _LOCAL
+    from lightning_fsdp.checkpoint.io.remote import FsspecStore
+    from lightning_fsdp.checkpoint.io.urls import split_url
+
+    options = check_storage_options(storage_options)
+    key = (os.getpid(), split_url(str(path))[0], repr(sorted((options or {}).items())))
+    with _lock:
+        store = _remote_stores.get(key)
+        if store is None:
+            store = _remote_stores[key] = FsspecStore(split_url(str(path))[0], options)
+    return store
+

@@ -1,0 +1,218 @@
+"""Checkpoints on object storage (issue 38): the store layer on ``memory://`` in this process, and two-rank saves and
+loads against a real S3 server (moto's, in this process) in one launch (``workers/object_storage.py``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from launch import launch
+
+CASES = [
+    "sharded_save_and_load_in_a_bucket_are_exact",
+    "full_save_and_load_in_a_bucket_are_exact",
+    "async_save_to_a_bucket_uploads_in_the_background_and_loads_exactly",
+    "a_second_save_to_the_same_url_replaces_the_first_and_removes_its_objects",
+    "a_flipped_byte_in_an_object_is_refused_on_every_rank_naming_the_url",
+    "a_missing_bucket_is_one_clear_error_on_every_rank",
+]
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    pytest.importorskip("moto.server")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="ckpt")
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def results(s3_env, tmp_path_factory):
+    return launch("object_storage.py", 2, tmp_path_factory.mktemp("object_storage"), **s3_env)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_ranks_against_s3(results, name):
+    results.check(name)
+
+
+# ------------------------------------------------------------------------------------------- memory://, one process
+
+
+class _Alone:
+    """The collectives of one process: what a save or load needs from ``comm``."""
+
+    global_rank = 0
+
+    def barrier(self):
+        pass
+
+    def broadcast(self, obj, src=0):
+        return obj
+
+    def agree(self, error):
+        return None if error is None else (0, error)
+
+
+def _stage(store, url, token, files):
+    from lightning_fsdp.checkpoint.io.remote import FsspecStore  # noqa: F401 - the store under test
+
+    staged = store.staging(url, token, 0)
+    staged.mkdir(parents=True)
+    for name, data in files.items():
+        (staged / name).write_bytes(data)
+    return staged
+
+
+def _read(store, url):
+    with store.open_committed(url, _Alone()) as local:
+        return {p.name: p.read_bytes() for p in sorted(local.iterdir())}
+
+
+@pytest.fixture
+def memory_url(request):
+    import fsspec
+
+    url = f"memory://bucket/{request.node.name[:40]}/ckpt"
+    yield url
+    fsspec.filesystem("memory").store.clear()
+
+
+def test_a_commit_is_read_whole_and_a_crashed_save_over_it_is_never_read(memory_url):
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+    store.commit(_stage(store, memory_url, "aaaaaaaaaaaa", {"a.distcp": b"old-a", "b.distcp": b"old-b"}), memory_url,
+                 _Alone())
+    assert _read(store, memory_url) == {"a.distcp": b"old-a", "b.distcp": b"old-b"}
+    # A save over it that dies after uploading one of its two objects, before its commit (the mix DCP's
+    # FsspecWriter loads without error): the committed save is read, whole.
+    store.fs.pipe_file(f"{memory_url}/.bbbbbbbbbbbb/a.distcp", b"new-a")
+    assert _read(store, memory_url) == {"a.distcp": b"old-a", "b.distcp": b"old-b"}
+    # The next save commits, and removes both the previous save's objects and the crashed one's.
+    store.commit(_stage(store, memory_url, "cccccccccccc", {"a.distcp": b"c-a", "b.distcp": b"c-b"}), memory_url,
+                 _Alone())
+    assert _read(store, memory_url) == {"a.distcp": b"c-a", "b.distcp": b"c-b"}
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(memory_url, detail=False)) == [".cccccccccccc", "COMMIT"]
+
+
+def test_uncommitted_objects_alone_are_no_checkpoint_and_clean_removes_them(memory_url):
+    from lightning_fsdp.checkpoint.io.remote import clean
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+    store.fs.pipe_file(f"{memory_url}/.dddddddddddd/a.distcp", b"half")
+    with pytest.raises(FileNotFoundError, match="holds no committed checkpoint.*HINT"):
+        _read(store, memory_url)
+    assert clean(memory_url) == [f"{memory_url}/.dddddddddddd"]
+    assert not store.fs.exists(memory_url)
+
+
+def test_damage_in_an_object_is_refused_naming_its_url(memory_url):
+    from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+    store.commit(_stage(store, memory_url, "eeeeeeeeeeee", {"a.distcp": b"0123456789"}), memory_url, _Alone())
+    store.fs.pipe_file(f"{memory_url}/.eeeeeeeeeeee/a.distcp", b"0123456780")
+    with pytest.raises(ChecksumError, match=r"\.eeeeeeeeeeee/a\.distcp' is damaged"):
+        _read(store, memory_url)
+    store.fs.pipe_file(f"{memory_url}/.eeeeeeeeeeee/a.distcp", b"012345678")
+    with pytest.raises(ChecksumError, match="9 bytes, its commit records 10"):
+        _read(store, memory_url)
+
+
+def test_a_stale_cached_listing_does_not_decide_what_is_committed(memory_url):
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+    directory = memory_url.rsplit("/", 1)[0]
+    assert store.checkpoints_in(directory) == []
+    listing = store.fs.ls
+    # A filesystem whose listing is stale: it still shows nothing (as a cached listing would)...
+    store.fs.ls = lambda path, detail=False, **kw: []
+    try:
+        store.commit(_stage(store, memory_url, "ffffffffffff", {"a.distcp": b"x"}), memory_url, _Alone())
+        # ...and the load still finds the commit, read by its name, not from a listing.
+        assert _read(store, memory_url) == {"a.distcp": b"x"}
+    finally:
+        store.fs.ls = listing
+    assert [name for name, _, _ in store.checkpoints_in(directory)] == ["ckpt"]
+
+
+@pytest.mark.parametrize("failures, error", [(2, None), (99, ConnectionError)])
+def test_transient_server_errors_are_retried_then_fail_clearly(memory_url, monkeypatch, failures, error):
+    from lightning_fsdp.checkpoint.io import remote
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    monkeypatch.setattr(remote, "_BACKOFF_S", 0.0)
+    store = store_for(memory_url)
+    put = store.fs.put
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= failures:
+            raise OSError("An error occurred (SlowDown) when calling the PutObject operation: 503 Slow Down")
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "put", flaky)
+    staged = _stage(store, memory_url, "111111111111", {"a.distcp": b"x"})
+    if error is None:
+        store.commit(staged, memory_url, _Alone())
+        assert _read(store, memory_url) == {"a.distcp": b"x"} and len(calls) == 3
+    else:
+        with pytest.raises(ConnectionError, match=f"'{memory_url}'.*after 4 attempts.*SlowDown.*HINT"):
+            store.commit(staged, memory_url, _Alone())
+        assert len(calls) == 4 and store.read_commit(memory_url) is None
+
+
+def test_denied_access_names_the_credentials(memory_url, monkeypatch):
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+
+    def denied(*args, **kwargs):
+        raise PermissionError("An error occurred (InvalidAccessKeyId) when calling the PutObject operation")
+
+    monkeypatch.setattr(store.fs, "put", denied)
+    with pytest.raises(PermissionError, match=f"Access to '{memory_url}' was refused.*HINT.*AWS_ACCESS_KEY_ID"):
+        store.commit(_stage(store, memory_url, "222222222222", {"a": b"x"}), memory_url, _Alone())
+
+
+def test_a_missing_filesystem_package_names_the_extra():
+    from lightning_fsdp.checkpoint.io.urls import filesystem
+
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r'needs the package .gcsfs.*pip install "lightning-fsdp\[gcs\]"'):
+            filesystem("gs://bucket/ckpt")
+    else:
+        pytest.skip("gcsfs is installed here")
+
+
+def test_storage_options_must_be_a_dict():
+    from lightning_fsdp.engine.config import FSDPConfig
+
+    with pytest.raises(TypeError, match=r"Invalid `storage_options='http://x'`.*Allowed.*HINT"):
+        FSDPConfig.from_arguments(storage_options="http://x")
+    assert FSDPConfig.from_arguments(storage_options={"anon": False}).storage_options_dict == {"anon": False}

@@ -1,0 +1,133 @@
+"""Two-rank cases against a real S3 server (moto, started by ``tests/test_object_storage.py``; its endpoint and
+credentials arrive in the environment, as a user's would): both formats, async saves, replacing a checkpoint,
+damage, a missing bucket. Weights compare exactly (atol=0)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from common import full_params, make_fabric, same_tensors, train_steps
+from harness import case, run_cases
+from models import TinyTransformer
+
+WORLD = 2
+BUCKET = os.environ.get("LFSDP_TEST_BUCKET", "ckpt")
+
+
+def _url(fabric, name: str) -> str:
+    return f"s3://{BUCKET}/{fabric.broadcast(uuid.uuid4().hex[:8])}/{name}"
+
+
+def _setup(fabric, seed=0):
+    torch.manual_seed(seed)
+    plain = TinyTransformer()
+    return fabric.setup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+
+
+def _s3():
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+def _round_trip(state_dict_type: str, async_save: bool = False) -> dict:
+    fabric = make_fabric(WORLD, state_dict_type=state_dict_type, async_save=async_save)
+    model, opt = _setup(fabric)
+    train_steps(fabric, model, opt, 2)
+    url = _url(fabric, "step-2")
+    fabric.save(url, {"model": model, "optimizer": opt, "step": 2})
+    fabric.strategy.wait_for_saves()
+    expected = full_params(model)
+    model2, opt2 = _setup(fabric, seed=1)
+    remainder = fabric.load(url, {"model": model2, "optimizer": opt2})
+    assert same_tensors(full_params(model2), expected)
+    assert remainder == {"step": 2}, remainder
+    # training continues identically from the loaded state
+    train_steps(fabric, model, opt, 1, start=2)
+    train_steps(fabric, model2, opt2, 1, start=2)
+    assert same_tensors(full_params(model2), full_params(model))
+    assert not os.path.exists("s3:"), "a local folder named 's3:' was written"
+    names = sorted(p.rsplit("/", 1)[-1] for p in _s3().ls(url)) if fabric.global_rank == 0 else None
+    return {"objects": names}
+
+
+@case
+def sharded_save_and_load_in_a_bucket_are_exact():
+    details = _round_trip("sharded")
+    # the commit object and one token prefix holding the save's objects
+    assert details["objects"] is None or len(details["objects"]) == 2 and "COMMIT" in details["objects"], details
+    return details
+
+
+@case
+def full_save_and_load_in_a_bucket_are_exact():
+    return _round_trip("full")
+
+
+@case
+def async_save_to_a_bucket_uploads_in_the_background_and_loads_exactly():
+    return _round_trip("sharded", async_save=True)
+
+
+@case
+def a_second_save_to_the_same_url_replaces_the_first_and_removes_its_objects():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    url = _url(fabric, "ckpt")
+    fabric.save(url, {"model": model, "optimizer": opt})
+    first = full_params(model)
+    train_steps(fabric, model, opt, 1)
+    fabric.save(url, {"model": model, "optimizer": opt})
+    second = full_params(model)
+    assert not same_tensors(first, second)
+    model2, opt2 = _setup(fabric, seed=1)
+    fabric.load(url, {"model": model2, "optimizer": opt2})
+    assert same_tensors(full_params(model2), second)
+    if fabric.global_rank == 0:
+        entries = [p.rsplit("/", 1)[-1] for p in _s3().ls(url)]
+        assert len(entries) == 2 and "COMMIT" in entries, entries  # one token prefix: the first save's is gone
+    fabric.barrier()
+
+
+@case
+def a_flipped_byte_in_an_object_is_refused_on_every_rank_naming_the_url():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    url = _url(fabric, "ckpt")
+    fabric.save(url, {"model": model, "optimizer": opt})
+    if fabric.global_rank == 0:
+        s3 = _s3()
+        shard = next(p for p in s3.find(url) if p.endswith("__1_0.distcp"))
+        data = bytearray(s3.cat_file(shard))
+        data[len(data) // 2] ^= 0x01
+        s3.pipe_file(shard, bytes(data))
+    fabric.barrier()
+    model2, opt2 = _setup(fabric, seed=1)
+    try:
+        fabric.load(url, {"model": model2, "optimizer": opt2})
+    except Exception as err:  # noqa: BLE001
+        message = str(err)
+        assert type(err).__name__ == "ChecksumError", (type(err), message)
+        assert url in message and "/tmp/" not in message, message
+        return {"error": message[:300]}
+    raise AssertionError("a damaged object loaded")
+
+
+@case
+def a_missing_bucket_is_one_clear_error_on_every_rank():
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    url = "s3://no-such-bucket-h4/run/step-1"
+    try:
+        fabric.save(url, {"model": model, "optimizer": opt})
+    except FileNotFoundError as err:
+        assert "no-such-bucket-h4" in str(err) and "HINT" in str(err), str(err)
+        return {"error": str(err)[:300]}
+    raise AssertionError("a save to a missing bucket returned")
+
+
+if __name__ == "__main__":
+    run_cases()
