@@ -16,14 +16,17 @@ from launch import script_env
 pytestmark = pytest.mark.single_process
 
 
-@pytest.mark.parametrize(
-    ("name", "check"),
-    [
-        ("fsdp", lambda s: s.config.sharding_strategy is ShardingStrategy.FULL_SHARD and not s.config.cpu_offload),
-        ("fsdp_cpu_offload", lambda s: isinstance(s.config.offload_policy, CPUOffloadPolicy)),
-        ("hsdp", lambda s: s.config.sharding_strategy is ShardingStrategy.HYBRID_SHARD and s.config.device_mesh is None),
-    ],
-)
+# What each name must build, whichever front and whichever path (the registry, or a string given to a connector).
+NAME_CHECKS = {
+    "fsdp": lambda s: s.config.sharding_strategy is ShardingStrategy.FULL_SHARD and not s.config.cpu_offload,
+    "fsdp_cpu_offload": lambda s: (s.config.sharding_strategy is ShardingStrategy.FULL_SHARD
+                                   and isinstance(s.config.offload_policy, CPUOffloadPolicy)),
+    "hsdp": lambda s: (s.config.sharding_strategy is ShardingStrategy.HYBRID_SHARD and s.config.device_mesh is None
+                       and not s.config.cpu_offload),
+}
+
+
+@pytest.mark.parametrize(("name", "check"), NAME_CHECKS.items(), ids=list(NAME_CHECKS))
 def test_import_registers_our_class(name, check):
     entry = STRATEGY_REGISTRY[name]
     assert entry["strategy"] is FSDPStrategy
@@ -44,11 +47,17 @@ def test_strings_build_ours_on_cpu_from_both_fronts(name, accelerator):
 
     from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
 
+    from lightning.pytorch.strategies import StrategyRegistry as TrainerStrategyRegistry
+
     fabric = Fabric(accelerator=accelerator, devices=1, strategy=name)
     assert type(fabric.strategy) is FSDPStrategy
     assert fabric.strategy.config == STRATEGY_REGISTRY.get(name).config  # the registry's arguments were applied
     trainer = Trainer(accelerator=accelerator, devices=1, strategy=name, logger=False, enable_progress_bar=False)
     assert type(trainer.strategy) is TrainerFSDPStrategy
+    assert trainer.strategy.config == TrainerStrategyRegistry.get(name).config
+    # The type alone passes when a name drops its arguments ("hsdp" building FULL_SHARD): check what each one means.
+    assert NAME_CHECKS[name](fabric.strategy), fabric.strategy.config
+    assert NAME_CHECKS[name](trainer.strategy), trainer.strategy.config
 
 
 def test_the_connector_patch_is_in_place_and_wraps_lightnings_own_check():

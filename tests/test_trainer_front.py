@@ -21,14 +21,15 @@ import lightning_fsdp  # noqa: F401 - importing registers the names
 from test_errors import STRATEGY_CASES
 
 
-@pytest.mark.parametrize(
-    ("name", "check"),
-    [
-        ("fsdp", lambda s: s.config.sharding_strategy is ShardingStrategy.FULL_SHARD and not s.config.cpu_offload),
-        ("fsdp_cpu_offload", lambda s: isinstance(s.config.offload_policy, CPUOffloadPolicy)),
-        ("hsdp", lambda s: s.config.sharding_strategy is ShardingStrategy.HYBRID_SHARD),
-    ],
-)
+NAME_CHECKS = {
+    "fsdp": lambda s: s.config.sharding_strategy is ShardingStrategy.FULL_SHARD and not s.config.cpu_offload,
+    "fsdp_cpu_offload": lambda s: (s.config.sharding_strategy is ShardingStrategy.FULL_SHARD
+                                   and isinstance(s.config.offload_policy, CPUOffloadPolicy)),
+    "hsdp": lambda s: s.config.sharding_strategy is ShardingStrategy.HYBRID_SHARD and not s.config.cpu_offload,
+}
+
+
+@pytest.mark.parametrize(("name", "check"), NAME_CHECKS.items(), ids=list(NAME_CHECKS))
 def test_import_registers_the_trainer_class(name, check):
     assert StrategyRegistry[name]["strategy"] is FSDPStrategy
     strategy = StrategyRegistry.get(name)
@@ -36,9 +37,11 @@ def test_import_registers_the_trainer_class(name, check):
 
 
 def test_names_on_a_cpu_trainer():
-    # Lightning's connector refuses its own FSDP names on CPU; with this package imported, ours go through.
-    for name in ("fsdp", "fsdp_cpu_offload", "hsdp"):
-        assert type(Trainer(accelerator="cpu", devices=1, strategy=name, logger=False).strategy) is FSDPStrategy
+    # Lightning's connector refuses its own FSDP names on CPU; with this package imported, ours go through, with
+    # their arguments: the type alone passes when "hsdp" builds FULL_SHARD or "fsdp_cpu_offload" no offload.
+    for name, check in NAME_CHECKS.items():
+        strategy = Trainer(accelerator="cpu", devices=1, strategy=name, logger=False).strategy
+        assert type(strategy) is FSDPStrategy and check(strategy), (name, strategy.config)
     assert type(Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(), logger=False).strategy) is FSDPStrategy
 
 
