@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.integrity.agreement import together
-from lightning_fsdp.checkpoint.latest import newest_good_checkpoint
+from lightning_fsdp.checkpoint.latest import newest_good_checkpoint, trust
 from lightning_fsdp.checkpoint.retention import check_retention, prune
 
 __all__ = ["StepCheckpoints"]
@@ -38,9 +38,11 @@ class StepCheckpoints:
         keep_last: keep only this many newest checkpoints (None: keep all). Older ones are deleted once the newer
             one is committed, never before: with ``async_save=True`` in the thread that commits the background save,
             so exactly ``keep_last`` remain once every save is committed (at ``wait_for_saves``, the next save, and
-            exit). The newest committed checkpoint is never deleted.
+            exit). Only checkpoints that pass verification count, newest by commit (after a rollback, the save
+            the run goes on from is the newest, whatever its step); the newest good one is never deleted.
         keep_every: also keep every checkpoint whose step is a multiple of this.
-        name: the name pattern; it must end in ``{step}`` (formatted), which is how checkpoints are ordered.
+        name: the name pattern; it must end in ``{step}`` (formatted), which is how checkpoints are found (they are
+            ordered by when they were committed, :mod:`.checkpoint.formats.commit_order`).
         step_key: the entry of ``state`` that holds the step count, read by :meth:`save` when no step is passed.
     """
 
@@ -62,7 +64,7 @@ class StepCheckpoints:
                              " pattern like 'step-{step:08d}'.") from None
         if not formatted.rstrip("0123456789") or not formatted.endswith("12"):
             raise ValueError(f"`StepCheckpoints(name={name!r})` must end in the step number (it gives {formatted!r} for"
-                             " step 12), which orders the checkpoints. HINT: use a pattern like 'step-{step:08d}'.")
+                             " step 12), which is how the checkpoints are found. HINT: use a pattern like 'step-{step:08d}'.")
         self.fabric = fabric
         self.directory = Path(directory)
         self.keep_last, self.keep_every, self.name, self.step_key = keep_last, keep_every, name, step_key
@@ -85,7 +87,8 @@ class StepCheckpoints:
                 # Retention counts committed checkpoints only, so it runs once `path` is one: at once after a
                 # synchronous save; after a background save, in the thread that commits it, so that exactly
                 # `keep_last` remain at `wait_for_saves`, the next save and exit (and none if that save fails).
-                strategy.after_commit(lambda: prune(self.directory, self.keep_last, self.keep_every), what)
+                strategy.after_commit(lambda: (trust(path), prune(self.directory, self.keep_last, self.keep_every)),
+                                      what)
 
             # Rank 0 deletes; the outcome is agreed, so a failed delete raises on every rank (a deferred one: at the
             # next wait for the background save).
@@ -93,14 +96,14 @@ class StepCheckpoints:
         return path
 
     def latest(self) -> Optional[Path]:
-        """The newest checkpoint that passes verification, the same on every rank (None if there is none)."""
+        """The checkpoint committed last that passes verification, the same on every rank (None if there is none)."""
         found = newest_good_checkpoint(self.directory) if self.fabric.global_rank == 0 else None
         found = self.fabric.broadcast(None if found is None else str(found))
         return None if found is None else Path(found)
 
     def resume(self, state: dict[str, Any], strict: bool = True) -> Optional[Path]:
-        """Load the newest good checkpoint into ``state`` (in place) and return its path; None, and ``state``
-        untouched, when the directory holds none (a fresh start)."""
+        """Load the newest good checkpoint (by commit, :meth:`latest`) into ``state`` (in place) and return its
+        path; None, and ``state`` untouched, when the directory holds none (a fresh start)."""
         found = self.latest()
         if found is not None:
             self.fabric.load(found, state, strict=strict)

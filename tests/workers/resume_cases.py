@@ -16,6 +16,7 @@ from models import TinyTransformer, make_batch
 
 FABRIC = make_fabric(2)
 ASYNC_FABRIC = make_fabric(2, async_save=True)
+FULL_FABRIC = make_fabric(2, state_dict_type="full")
 
 
 def _shared_dir(fabric, name: str) -> Path:
@@ -158,6 +159,70 @@ def retention_is_exact_once_committed_in_both_save_modes():
         kept = _committed(every_root)
         assert kept == ["step-00000002", "step-00000004", "step-00000005"], (label, kept)
         report[label] = {"seen": seen, "final": final, "keep_every": kept}
+    return report
+
+
+def _damage(path: Path) -> None:
+    """Flip one byte in the middle of a committed checkpoint's tensor bytes (rank 0; the caller waits at a barrier)."""
+    target = path / "__1_0.distcp" if path.is_dir() else path
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+@case
+def retention_and_resume_follow_the_commit_order():
+    """Issue 37 item 3, with synchronous and background sharded saves and full ones. (a) keep_last=1: save 100 and
+    200, damage 200; resume finds nothing, saves 110: step order deleted 110 and kept the damaged 200 (no good
+    checkpoint left); now 110 is kept. (b) keep_last=2, same story: resume loads 100; after 110 two good ones stay.
+    (c) a rollback: load 100 by path, save 110: resume and `<dir>/latest` load 110, not the abandoned 200."""
+    report = {}
+    for label, fabric in (("sync", FABRIC), ("async", ASYNC_FABRIC), ("full", FULL_FABRIC)):
+        model, opt = _trained(fabric, 1)
+
+        def save_at(checkpoints, step):
+            checkpoints.save({"model": model, "optimizer": opt, "step": step})
+            fabric.strategy.wait_for_saves()
+            fabric.barrier()
+
+        got = {}
+        for keep_last in (1, 2):
+            root = _shared_dir(fabric, f"order-{label}-{keep_last}")
+            checkpoints = StepCheckpoints(fabric, root, keep_last=keep_last)
+            save_at(checkpoints, 100)
+            save_at(checkpoints, 200)
+            if fabric.global_rank == 0:
+                _damage(root / "step-00000200")
+            fabric.barrier()
+            state = {"model": model, "optimizer": opt, "step": -1}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # rank 0 names the damaged 200
+                resumed = checkpoints.resume(state)
+            assert (resumed is None) == (keep_last == 1) and state["step"] == (-1 if keep_last == 1 else 100), (
+                label, keep_last, resumed, state["step"])
+            save_at(checkpoints, 110)
+            left = _committed(root)
+            state["step"] = -1
+            assert checkpoints.resume(state) == root / "step-00000110" and state["step"] == 110, (label, left)
+            got[keep_last] = left
+        assert got[1] == ["step-00000110"], (label, got)
+        assert got[2] == ["step-00000100", "step-00000110", "step-00000200"], (label, got)
+        root = _shared_dir(fabric, f"rollback-{label}")
+        checkpoints = StepCheckpoints(fabric, root, keep_last=3)
+        save_at(checkpoints, 100)
+        save_at(checkpoints, 200)
+        state = {"model": model, "optimizer": opt, "step": -1}
+        fabric.load(root / "step-00000100", state)  # escaping a loss spike
+        save_at(checkpoints, 110)
+        state["step"] = -1
+        assert checkpoints.resume(state) == root / "step-00000110" and state["step"] == 110, (label, state["step"])
+        state["step"] = -1
+        fabric.load(root / "latest", state)
+        assert state["step"] == 110, (label, state["step"])
+        save_at(checkpoints, 120)  # keep_last=3: the abandoned 200 is the oldest commit but one, 100 goes
+        got["rollback"] = _committed(root)
+        assert got["rollback"] == ["step-00000110", "step-00000120", "step-00000200"], (label, got)
+        report[label] = got
     return report
 
 

@@ -105,5 +105,41 @@ def save_top_k_leaves_exactly_k_in_both_save_modes():
     return report
 
 
+class SeenStep(Callback):
+    def __init__(self) -> None:
+        self.loaded = None
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.loaded = checkpoint["global_step"]
+
+
+@case
+def latest_after_a_rollback_is_the_save_the_run_went_on_from():
+    """Issue 37 item 3 on the Trainer front, sharded and full: save steps 2 and 4, roll back to step 2 by path and
+    save step 3; `ckpt_path="<dir>/latest"` resumes from step 3 (committed last), not from the abandoned step 4."""
+    report = {}
+    for kind in ("sharded", "full"):
+        directory = Path(os.environ["LFSDP_TEST_OUT"]) / f"rollback-{kind}"
+
+        def fit(max_steps, ckpt_path=None):
+            seen = SeenStep()
+            checkpoint = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1, every_n_train_steps=1,
+                                         monitor=None)
+            trainer = Trainer(accelerator="cpu", devices=2, max_steps=max_steps,
+                              strategy=FSDPStrategy(state_dict_type=kind, timeout=TIMEOUT), callbacks=[checkpoint, seen],
+                              logger=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(Lit(), ckpt_path=ckpt_path)
+            trainer.strategy.barrier()
+            return seen.loaded
+
+        fit(2)
+        fit(4, directory / "step=2.ckpt")  # steps 3 and 4
+        fit(3, directory / "step=2.ckpt")  # the rollback: step 3 again, committed last
+        loaded = fit(4, directory / "latest")
+        report[kind] = {"loaded": loaded, "files": sorted(p.name for p in directory.iterdir())}
+        assert loaded == 3, (kind, loaded, sorted(p.name for p in directory.iterdir()))
+    return report
+
+
 if __name__ == "__main__":
     run_cases()

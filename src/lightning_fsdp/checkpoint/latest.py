@@ -1,10 +1,17 @@
-"""The newest good checkpoint in a directory of step checkpoints.
+"""The newest good checkpoint in a directory of step checkpoints, and the one order every reader of such a directory
+uses: the order the checkpoints were **committed** in.
 
 A training job that saves every K steps into one directory (``step-00000100``, ``step-00000200``, ... or any names
-ending in the step number) resumes from the newest checkpoint that is complete and passes verification. A save
-that was killed never shows up here (it lives under a hidden staging name until its commit, see :mod:`~lightning_fsdp.checkpoint.io.atomic`);
-a committed checkpoint damaged afterwards (a truncated shard, flipped bits) fails its checksums and is skipped with
-a warning that names it, and the next older one is used.
+ending in the step number) resumes from the checkpoint committed last that is complete and passes verification. A
+save that was killed never shows up here (it lives under a hidden staging name until its commit, see
+:mod:`~lightning_fsdp.checkpoint.io.atomic`); a committed checkpoint damaged afterwards (a truncated shard, flipped
+bits) fails its checksums and is skipped with a warning that names it, and the one committed before it is used.
+
+Commit order, not step order (:mod:`~lightning_fsdp.checkpoint.formats.commit_order` says why and where each save
+records it): after a rollback (load step 100 by path, train on, save step 110) the run goes on from 110, not from
+the abandoned 200; in a run that never rolls back the two orders agree. :func:`step_checkpoints` is the one place
+that orders a directory, for ``latest``, ``resume`` and retention (:mod:`.retention`) alike, and
+:func:`verification_failure` the one place that says whether a checkpoint is good.
 
 ``fabric.load("<dir>/latest", state)`` and ``trainer.fit(..., ckpt_path="<dir>/latest")`` use this when ``latest``
 does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as it is).
@@ -12,31 +19,101 @@ does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as i
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import threading
 import warnings
+import zipfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from lightning_fsdp.checkpoint.formats.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value, order_key
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 
-__all__ = ["LATEST", "step_of", "step_checkpoints", "newest_good_checkpoint", "resolve_latest"]
+__all__ = [
+    "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
+    "newest_good_checkpoint", "resolve_latest",
+]
 
 LATEST = "latest"
-_TRAILING_NUMBER = re.compile(r"(\d+)(?:\.[A-Za-z]+)?$")
+# The number a name ends in, before Lightning's version counter (`-v1`, when `ModelCheckpoint` saves a name that exists).
+_TRAILING_NUMBER = re.compile(r"(\d+)(?:-v\d+)?(?:\.[A-Za-z]+)?$")
 
 
 def step_of(path: Path) -> Optional[int]:
-    """The step a checkpoint's name ends in (``step-00000100`` and ``epoch=0-step=100.ckpt`` give 100), else None."""
+    """The step a checkpoint's name ends in (``step-00000100``, ``epoch=0-step=100.ckpt`` and Lightning's second
+    ``step=100-v1.ckpt`` give 100), else None."""
     match = _TRAILING_NUMBER.search(path.name)
     return int(match.group(1)) if match else None
 
 
+# What this process has learned about each checkpoint, valid while its files are unchanged (`_fingerprint`): its
+# commit order, and whether it verified. A checkpoint is read once per process, not at every save's retention; a
+# write into it (damage) changes a file's size or mtime, and it is read again. Rank 0 alone uses this (the commit
+# thread of a background save too, hence the lock).
+_KNOWN: dict[str, dict[str, Any]] = {}
+_KNOWN_LOCK = threading.Lock()
+
+
+def _fingerprint(path: Path) -> tuple:
+    entries = [path] if not path.is_dir() else sorted(p for p in path.iterdir())
+    out = []
+    for entry in entries:
+        st = entry.stat()
+        out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _known(path: Path, fact: str, learn) -> Any:
+    key = str(path)
+    try:
+        fingerprint = _fingerprint(path)
+    except OSError:
+        return learn(path)  # it went away while we looked: nothing worth remembering
+    with _KNOWN_LOCK:
+        facts = _KNOWN.get(key)
+        if facts is None or facts["fingerprint"] != fingerprint:
+            facts = _KNOWN[key] = {"fingerprint": fingerprint}
+        if fact in facts:
+            return facts[fact]
+    value = learn(path)
+    with _KNOWN_LOCK:
+        if _KNOWN.get(key, {}).get("fingerprint") == fingerprint:
+            _KNOWN[key][fact] = value
+    return value
+
+
+def _read_commit_order(path: Path) -> Optional[int]:
+    try:
+        if path.is_dir():
+            record = json.loads((path / CHECKSUMS_FILENAME).read_bytes())
+        else:
+            with zipfile.ZipFile(path) as archive:
+                names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == ZIP_CHECKSUMS_RECORD]
+                if len(names) != 1:
+                    return None
+                record = json.loads(archive.read(names[0]))
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError):  # none, or unreadable
+        return None
+    return commit_order_value(record)
+
+
+def commit_order_of(path: Union[str, Path]) -> Optional[int]:
+    """The commit order ``path`` records (:mod:`~lightning_fsdp.checkpoint.formats.commit_order`), None when it
+    records none (a checkpoint written before lightning-fsdp recorded it, or one whose record is unreadable)."""
+    return _known(Path(path), "commit_order", _read_commit_order)
+
+
 def step_checkpoints(directory: Union[str, Path]) -> list[Path]:
-    """The committed checkpoints in ``directory`` whose names end in a step number, oldest step first.
+    """The committed checkpoints in ``directory`` whose names end in a step number, in the order they were
+    committed, oldest first (:func:`~lightning_fsdp.checkpoint.formats.commit_order.order_key`: step order for
+    checkpoints that record no commit order, and before those that do).
 
     Hidden entries are left out: they are staging copies of saves in flight or killed, and backups (:mod:`~lightning_fsdp.checkpoint.io.atomic`).
-    Only the on-disk format is checked here (cheap); contents are verified by :func:`newest_good_checkpoint`.
+    Only the on-disk format is checked here (cheap); contents are verified by :func:`verification_failure`.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -47,23 +124,54 @@ def step_checkpoints(directory: Union[str, Path]) -> list[Path]:
         if entry.name.startswith(".") or step is None:
             continue
         if is_sharded_checkpoint(entry) or is_full_checkpoint(entry):
-            found.append((step, entry.stat().st_mtime_ns, entry.name, entry))
-    return [entry for *_, entry in sorted(found)]
+            found.append((order_key(step, commit_order_of(entry), entry.name), entry))
+    return [entry for _, entry in sorted(found, key=lambda item: item[0])]
+
+
+def _verify(path: Path) -> Optional[BaseException]:
+    try:
+        verify_checkpoint(path)  # False (no checksums, an old checkpoint) still loads: the load notes it
+    except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is damaged, and named
+        return err
+    return None
+
+
+def verification_failure(path: Union[str, Path]) -> Optional[BaseException]:
+    """None when the checkpoint at ``path`` passes verification (every checksum), else the error that says why
+    not. Reads the checkpoint in full the first time this process asks (and again once its files change)."""
+    return _known(Path(path), "failure", _verify)
+
+
+def trust(path: Union[str, Path]) -> None:
+    """Record that the checkpoint at ``path``, as its files are now, is good without reading it back: for the
+    checkpoint this process has just committed (it was verified as it was written), so that retention right after
+    its commit does not read it again."""
+    path = Path(path)
+    try:
+        fingerprint = _fingerprint(path)
+    except OSError:
+        return
+    with _KNOWN_LOCK:
+        facts = _KNOWN.get(str(path))
+        if facts is None or facts["fingerprint"] != fingerprint:
+            facts = _KNOWN[str(path)] = {"fingerprint": fingerprint}
+        facts["failure"] = None
 
 
 def newest_good_checkpoint(directory: Union[str, Path]) -> Optional[Path]:
-    """The newest checkpoint in ``directory`` that passes verification (every checksum), or None when there is none.
+    """The checkpoint committed last in ``directory`` that passes verification (every checksum), or None when there
+    is none.
 
-    Each newer one that fails is skipped with a warning naming it and the reason. Reads every checked checkpoint in
-    full, so call it on one rank and broadcast the answer (:func:`resolve_latest` does).
+    Each one committed later that fails is skipped with a warning naming it and the reason. Reads each checked
+    checkpoint in full (once per process), so call it on one rank and broadcast the answer (:func:`resolve_latest`
+    does).
     """
     for candidate in reversed(step_checkpoints(directory)):
-        try:
-            verify_checkpoint(candidate)  # False (no checksums, an old checkpoint) still loads: the load notes it
-        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is skipped, and named
+        err = verification_failure(candidate)
+        if err is not None:
             warnings.warn(
                 f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}: {err})."
-                " Resuming from an older one. HINT: delete or move it once you have looked at it.",
+                " Resuming from the one committed before it. HINT: delete or move it once you have looked at it.",
                 stacklevel=2,
             )
             continue

@@ -1,12 +1,22 @@
-"""Retention: keep the newest N step checkpoints (and every M-th), delete the rest, never too early.
+"""Retention: keep the newest N good step checkpoints (and every M-th), delete the rest, never too early.
 
 Rules, each for a failure it prevents:
 
+- "Newest" is the order of **commit**, the one order of :func:`.latest.step_checkpoints`, the same one ``latest``
+  and ``resume`` use: after a rollback (load step 100, train on, save step 110), 110 is the newest and the abandoned
+  200 older, so 110 is kept and 200 goes first. Step order would delete the save the run goes on from.
+- Only **good** checkpoints count towards ``keep_last``: a damaged one (it fails verification,
+  :func:`.latest.verification_failure`) is never one of the N kept, so N loadable ones stay. It is not deleted
+  while it is newer than the N-th good one (someone may want to look at it), and goes once it is older.
+- The newest good checkpoint is never deleted, nor anything committed after it, whatever ``keep_last`` says. When
+  nothing verifies, nothing is deleted.
 - Only **committed** checkpoints are counted and deleted (:func:`.latest.step_checkpoints` lists no staging copy).
   A save still in flight, a background one included, is not yet there: the older checkpoints it would replace stay
   until it is committed, so a crash during that save still leaves one to resume from.
-- The newest committed checkpoint is never deleted, whatever ``keep_last`` says.
 - Names without a step number and anything that is not a checkpoint are left alone: they are the user's.
+
+Verification reads a checkpoint in full, once per process (:func:`.latest.verification_failure` remembers it while
+its files are unchanged), and the checkpoint just committed is not read back (:func:`.latest.trust`).
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Union
 
-from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of
+from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, verification_failure
 
 __all__ = ["check_retention", "to_delete", "prune"]
 
@@ -30,12 +40,20 @@ def check_retention(keep_last: Optional[int], keep_every: Optional[int]) -> None
 
 
 def to_delete(directory: Union[str, Path], keep_last: Optional[int], keep_every: Optional[int] = None) -> list[Path]:
-    """The committed step checkpoints in ``directory`` that retention would delete now, oldest first."""
+    """The committed step checkpoints in ``directory`` that retention would delete now, oldest (by commit) first.
+
+    Walking back from the newest commit, everything is kept until ``keep_last`` good checkpoints have been seen;
+    what was committed before the last of those goes, unless its step is a multiple of ``keep_every``."""
     check_retention(keep_last, keep_every)
     if keep_last is None:
         return []
     committed = step_checkpoints(directory)
-    kept = set(committed[-max(keep_last, 1):])
+    kept, good = set(), 0
+    for path in reversed(committed):
+        if good >= keep_last:
+            break
+        kept.add(path)
+        good += verification_failure(path) is None
     if keep_every is not None:
         kept |= {p for p in committed if step_of(p) % keep_every == 0}  # type: ignore[operator]
     return [p for p in committed if p not in kept]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, next_commit_order
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.formats.torch_versions import MANIFEST_KEY
 from lightning_fsdp.checkpoint.integrity import digests
@@ -172,7 +173,7 @@ class ChecksumWriter(dcp.FileSystemWriter):
             seed_of, new_hasher = ALGORITHMS[self._algorithm]
             files = file_digests(Path(self.path), lambda: new_hasher(seed_of(self._save_id)))
             manifest = {"format": MANIFEST_FORMAT, "algorithm": self._algorithm, "save_id": self._save_id,
-                        "items": items, "files": files,
+                        "items": items, "files": files, COMMIT_ORDER_KEY: next_commit_order(),
                         MANIFEST_KEY: torch.__version__}  # names the writer if a later, older torch cannot read it
             with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
                 json.dump(manifest, file)

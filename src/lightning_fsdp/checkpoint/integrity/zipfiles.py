@@ -15,6 +15,7 @@ from typing import IO, Any, Callable, Iterator, Optional, Union
 
 import torch
 
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, next_commit_order
 from lightning_fsdp.checkpoint.integrity import digests
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.integrity.digests import (
@@ -47,7 +48,9 @@ class RecordDigests:
             self._digests[record] = hasher.intdigest()
 
     def payload(self) -> bytes:
-        return json.dumps({"algorithm": self.algorithm, "records": self._digests}).encode()
+        # Written last, as the archive is finished: it also records the save's commit order (`commit_order`).
+        return json.dumps({"algorithm": self.algorithm, "records": self._digests,
+                           COMMIT_ORDER_KEY: next_commit_order()}).encode()
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length

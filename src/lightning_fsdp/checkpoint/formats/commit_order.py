@@ -1,0 +1,54 @@
+"""The order in which checkpoints were committed: the one definition every writer records and every reader sorts by.
+
+Why not step order: after a rollback (load step 100 to escape a loss spike, train on, save step 110) the newest
+checkpoint has a smaller step than the abandoned step 200, and after a damaged newest checkpoint is skipped the
+next save is older by step than the damaged one. Resuming, ``latest`` and retention must follow what was committed
+last, and in a run that never rolls back that is step order anyway.
+
+Why not the file's mtime: a copy (``cp`` without ``-p``, ``rsync``, a download from object storage) gives new
+mtimes in whatever order it copies. So each save records the key in its own committed metadata, the record that is
+written last, just before the commit:
+
+- a sharded checkpoint: its ``checksums.json`` manifest, written by DCP's last step;
+- a full checkpoint: the ``checksums.json`` record inside the ``torch.save`` archive;
+- a remote save (object storage): its commit object.
+
+Each records ``{COMMIT_ORDER_KEY: next_commit_order()}``. The value is the wall clock in nanoseconds, made strictly
+increasing within one process (a clock stepped back during a run still orders that run's saves correctly). Saves
+commit one at a time (a background save waits for the one before), so the order of these values is the commit
+order. A checkpoint that records none (written before this key existed, or by another tool) sorts before every
+one that does, and among themselves by step (:func:`order_key`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+__all__ = ["COMMIT_ORDER_KEY", "next_commit_order", "commit_order_value", "order_key"]
+
+COMMIT_ORDER_KEY = "commit_order"
+
+_lock = threading.Lock()
+_last = 0
+
+
+def next_commit_order() -> int:
+    """The value a save records as it commits: later than every value this process gave before."""
+    global _last
+    with _lock:
+        _last = max(time.time_ns(), _last + 1)
+        return _last
+
+
+def commit_order_value(record: Any) -> Optional[int]:
+    """The commit order a checkpoint's committed metadata (a parsed JSON object) records, or None."""
+    value = record.get(COMMIT_ORDER_KEY) if isinstance(record, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def order_key(step: int, commit_order: Optional[int], name: str = "") -> tuple:
+    """The sort key of a checkpoint, oldest first: by commit order where recorded; those without one before all
+    those with one, by step among themselves. ``name`` only breaks ties, so that the order is total."""
+    return (0, step, 0, name) if commit_order is None else (1, commit_order, step, name)
