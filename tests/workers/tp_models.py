@@ -64,13 +64,26 @@ class GPT(nn.Module):
         return self.head(x)
 
 
-def llama() -> nn.Module:
+class TiedGPT(GPT):
+    """``GPT`` with its head tied to the token embedding (both ``(VOCAB, DIM)``), as many small models are."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__(layers)
+        self.head.weight = self.wte.weight
+
+
+def llama(tie_word_embeddings: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        num_key_value_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=tie_word_embeddings,
     ))
+
+
+def tied_llama() -> nn.Module:
+    """``llama()`` with ``tie_word_embeddings=True``: ``lm_head.weight is model.embed_tokens.weight``."""
+    return llama(tie_word_embeddings=True)
 
 
 def llama_block() -> type:

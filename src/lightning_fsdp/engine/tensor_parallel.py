@@ -23,10 +23,12 @@ column/row styles go on ``nn.Linear`` and ``nn.Embedding`` whose split dimension
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import copy
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from difflib import get_close_matches
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_fsdp._base.errors import bad_argument
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "STYLES", "TP_AXIS", "TensorParallel", "parse_tensor_parallel", "resolve_plan", "apply_tensor_parallel",
@@ -60,8 +64,10 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "sequence_parallel": SequenceParallel,
 }
+# Hugging Face's "sequence_parallel" is refused by name (see `_refuse_sequence_parallel`): torch's `SequenceParallel`
+# expects activations sharded along the sequence between the layers, which none of the styles above give or take.
+_SEQUENCE_PARALLEL = "sequence_parallel"
 _PLAN_ALLOWED = (
     "None, 'auto' (a Hugging Face model's own tp_plan), a dict from module-name patterns ('layers.*.mlp.up_proj') to"
     f" styles ({', '.join(repr(s) for s in STYLES)}, or torch ParallelStyle objects), or a callable"
@@ -126,6 +132,8 @@ def parse_tensor_parallel(size: Any, plan: PlanInput) -> TensorParallel:
 def _parse_style(pattern: Any, style: Any, plan: Any) -> Union[str, ParallelStyle]:
     if isinstance(style, ParallelStyle) or style in STYLES:
         return style
+    if style == _SEQUENCE_PARALLEL:
+        raise ValueError(_refuse_sequence_parallel(pattern))
     close = get_close_matches(str(style), STYLES, n=1)
     raise ValueError(bad_argument(
         "tensor_parallel_plan", plan, f"styles {', '.join(repr(s) for s in STYLES)} or torch ParallelStyle objects",
@@ -160,6 +168,8 @@ def resolve_plan(module: nn.Module, tp: TensorParallel, roots: tuple[str, ...] =
                 + (f", e.g. {close}" if close else "") + "; a '*' stands for one name part.",
                 problem=f"The pattern {pattern!r} matches no module",
             ))
+        if style == _SEQUENCE_PARALLEL:  # from a Hugging Face model's own plan ("auto")
+            raise ValueError(_refuse_sequence_parallel(pattern, matched))
         for name in matched:
             if name in claimed:
                 raise ValueError(bad_argument(
@@ -181,11 +191,170 @@ def _matches(pattern: str, names: dict[str, nn.Module]) -> list[str]:
 
 def apply_tensor_parallel(module: nn.Module, plan: Union[dict[str, ParallelStyle], Callable[..., None]],
                           tp_mesh: DeviceMesh) -> None:
-    """Split the planned modules over ``tp_mesh`` (before ``fully_shard``)."""
+    """Split the planned modules over ``tp_mesh`` (before ``fully_shard``), keeping every tied parameter one
+    parameter (see :func:`settle_ties`)."""
+    ties = find_ties(module)
     if isinstance(plan, dict):
+        plan = settle_ties(module, plan, ties, tp_mesh)
         parallelize_module(module, tp_mesh, plan)
     else:
         plan(module, tp_mesh)
+    _retie(ties, plan)
+
+
+# --- Tied parameters ------------------------------------------------------------------------------------------------
+#
+# `parallelize_module` gives each planned module a new DTensor parameter. A parameter that two modules share (tied
+# input embeddings and output head) would so become two, which train apart without a word. The rule: a tie stays one
+# parameter with one placement. Where the plan splits its sides the same way, the styles run as planned and every
+# side is then pointed at the one DTensor; where it splits them differently, setup refuses; where it splits only some
+# sides, each other side gets the style that splits the shared weight the same way and still gives its callers the
+# whole output (a "_rep" style: the module computes as before, on its share of the weight).
+
+Slot = tuple[str, nn.Module, str]  # (module name, module, parameter attribute)
+
+# The styles that can complete a tie on an unplanned module, tried in order; each gives whole outputs to its callers.
+_COMPLETING: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (nn.Embedding, ("embedding_rowwise", "embedding_colwise")),
+    (nn.Linear, ("colwise_rep", "rowwise_rep")),
+)
+
+
+def find_ties(module: nn.Module) -> list[list[Slot]]:
+    """Every parameter that sits in two or more (module, attribute) slots of ``module``: its slots."""
+    slots: dict[int, list[Slot]] = {}
+    for name, owner in module.named_modules():
+        for attr, param in owner._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((name, owner, attr))
+    return [found for found in slots.values() if len(found) > 1]
+
+
+def settle_ties(module: nn.Module, plan: dict[str, ParallelStyle], ties: list[list[Slot]], tp_mesh: DeviceMesh
+                ) -> dict[str, ParallelStyle]:
+    """``plan``, with a completing style for each unplanned side of a tie the plan splits elsewhere; a
+    ``ValueError`` (before any weight moves) for a tie whose sides the plan splits differently, or one that no
+    style can complete. What a style does to a parameter is read from a dry run of the style on a meta-device copy
+    of the module, so torch's own styles and the user's are judged alike."""
+    plan = dict(plan)
+    for slots in ties:
+        placed = {_label(s): _placement_under(module, s, plan, tp_mesh) for s in slots}
+        split = {label: p for label, p in placed.items() if p is not None}
+        if not split or _UNKNOWN in split.values():
+            continue  # untouched, or a style the dry run cannot follow: `_retie` checks what it did
+        if len(set(split.values())) > 1:
+            raise ValueError(_tie_error(slots, plan, "splits the sides of a tie differently: " + ", ".join(
+                f"{label} as {_shown(p)}" for label, p in split.items())))
+        target = next(iter(split.values()))
+        for slot in slots:
+            if placed[_label(slot)] is None:
+                plan[slot[0]] = _completing_style(slot, target, slots, plan, tp_mesh)
+    return plan
+
+
+_UNKNOWN = ("unknown",)
+
+
+def _label(slot: Slot) -> str:
+    return f"{slot[0]}.{slot[2]}" if slot[0] else slot[2]
+
+
+def _shown(placements: tuple) -> str:
+    return f"({', '.join(repr(p) for p in placements)})"
+
+
+def _style_name(module: nn.Module, style: ParallelStyle) -> str:
+    """The plan's name of ``style`` as written for ``module`` ('embedding_rowwise' on an embedding, 'rowwise_rep'
+    on a Linear: the same torch style), or its repr."""
+    names = [n for n, make in STYLES.items() if repr(make()) == repr(style)]
+    embedding = isinstance(module, nn.Embedding)
+    return next((n for n in names if n.startswith("embedding_") == embedding), names[0] if names else repr(style))
+
+
+def _placement_under(root: nn.Module, slot: Slot, plan: dict[str, ParallelStyle], tp_mesh: DeviceMesh) -> Any:
+    """The placements the plan gives the parameter in ``slot`` (``None``: left as it is), from the nearest planned
+    module at or above the slot's module."""
+    name, _, attr = slot
+    above = [m for m in plan if m == name or name.startswith(m + ".")]
+    if not above:
+        return None
+    nearest = max(above, key=len)
+    return _dry_run(root.get_submodule(nearest), plan[nearest], tp_mesh, f"{name[len(nearest):]}.{attr}".lstrip("."))
+
+
+def _dry_run(module: nn.Module, style: ParallelStyle, tp_mesh: DeviceMesh, param_name: str) -> Any:
+    """The placements ``style`` gives ``module``'s parameter ``param_name`` (``None``: left a plain tensor), read
+    from the style applied to a copy of ``module`` on the meta device; ``_UNKNOWN`` where that cannot run."""
+    memo: dict[int, Any] = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                            for t in module.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    try:
+        clone = copy.deepcopy(module, memo)
+        quiet = copy.copy(style)
+        quiet.src_data_rank = None  # each rank splits its own copy: no collective on meta tensors
+        parallelize_module(clone, tp_mesh, quiet)
+        param = clone.get_parameter(param_name)
+    except Exception:  # a module that cannot be copied, or a style that needs real data: judged after the fact
+        return _UNKNOWN
+    return tuple(param.placements) if isinstance(param, DTensor) else None
+
+
+def _completing_style(slot: Slot, target: tuple, slots: list[Slot], plan: dict[str, ParallelStyle],
+                      tp_mesh: DeviceMesh) -> ParallelStyle:
+    """The style that splits the parameter in ``slot`` as ``target`` on the slot's unplanned module."""
+    name, owner, attr = slot
+    if name in plan:  # planned, but its style leaves this parameter alone: a second style cannot be added
+        raise ValueError(_tie_error(slots, plan, f"splits the tie on one side only; the style of {name!r} leaves"
+                                    f" {attr!r} whole, where the other side is split as {_shown(target)}"))
+    size = tp_mesh.size()
+    for kind, names in _COMPLETING:
+        if isinstance(owner, kind):
+            for style_name in names:
+                style = STYLES[style_name]()
+                if _dry_run(owner, style, tp_mesh, attr) == target:
+                    _check_fits(name, owner, style_name, style, size)
+                    log.info("Tensor parallelism: %r gets %r, so that its tied %r is split as its other side is.",
+                             name, style_name, attr)
+                    return style
+    raise ValueError(_tie_error(slots, plan, f"splits the tie on one side only (as {_shown(target)}), and no style"
+                                f" splits {_label(slot)} of the {type(owner).__name__} {name!r} so"))
+
+
+def _tie_error(slots: list[Slot], plan: dict[str, ParallelStyle], problem: str) -> str:
+    labels = [_label(s) for s in slots]
+    planned = {s[0]: _style_name(s[1], plan[s[0]]) for s in slots if s[0] in plan}
+    return bad_argument(
+        "tensor_parallel_plan", planned, "a plan that splits a tied parameter the same way on every side"
+        " (e.g. 'embedding_rowwise' on the embedding with 'colwise' or 'colwise_rep' on the head: both split the"
+        " vocabulary rows)",
+        f"Give every side of the tie a style that splits it the same way, or leave every side out of the plan, e.g."
+        f" `{{{', '.join(f'{s[0]!r}: ...' for s in slots)}}}` with matching styles; or untie the weights"
+        " (`tie_word_embeddings=False` on a Hugging Face config) if they are meant to train apart.",
+        problem=f"{' and '.join(labels)} are one tied parameter, and the plan {problem}",
+    )
+
+
+def _retie(ties: list[list[Slot]], plan: Union[dict[str, ParallelStyle], Callable[..., None]]) -> None:
+    """Point every slot of each tie at one parameter after the split; refuse a split that left the sides apart
+    (a callable plan, or a style the dry run could not follow)."""
+    for slots in ties:
+        current = [owner._parameters[attr] for _, owner, attr in slots]
+        if all(p is current[0] for p in current):
+            continue
+        layouts = {(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in current}
+        if None in layouts or len(layouts) > 1:
+            shown = ", ".join(f"{_label(s)} as {_shown(p.placements) if isinstance(p, DTensor) else 'whole'}"
+                              for s, p in zip(slots, current))
+            shown_plan = {s[0]: _style_name(s[1], plan[s[0]]) for s in slots if s[0] in plan} if isinstance(
+                plan, dict) else plan
+            raise ValueError(bad_argument(
+                "tensor_parallel_plan", shown_plan, "a plan that splits a tied parameter the same way on every side",
+                "Split every side of the tie with styles that give it the same placements, or none of them.",
+                problem=f"{' and '.join(_label(s) for s in slots)} are one tied parameter, but after the plan ran"
+                f" they are {len(set(map(id, current)))} ({shown}), which would train apart",
+            ))
+        for _, owner, attr in slots:
+            owner._parameters[attr] = current[0]
 
 
 def same_across_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, device: torch.device) -> None:
@@ -238,7 +407,28 @@ def _auto_plan(module: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _refuse_sequence_parallel(pattern: Any, modules: Sequence[str] = ()) -> str:
+    where = f" ({', '.join(repr(m) for m in modules[:3])}{', ...' if len(modules) > 3 else ''})" if modules else ""
+    return bad_argument(
+        "tensor_parallel_plan", {pattern: _SEQUENCE_PARALLEL}, f"styles {', '.join(repr(s) for s in STYLES)} or torch"
+        " ParallelStyle objects",
+        f"Leave {pattern!r} out of the plan: the modules it names then stay whole on every rank of a tensor-parallel"
+        " group, and FSDP shards them over the data-parallel ranks as it shards any unplanned layer.",
+        problem=f"The style 'sequence_parallel' of {pattern!r}{where} is not supported: it expects the activations"
+        " between the layers split along the sequence, but 'colwise' and 'rowwise' take and give whole sequences, so"
+        " torch would fail inside the forward with a shape error",
+    )
+
+
 def _check_fits(name: str, module: nn.Module, shown: Any, style: ParallelStyle, size: int) -> None:
+    if isinstance(style, SequenceParallel) and next(module.children(), None) is not None:
+        child = next(n for n, _ in module.named_children())
+        raise ValueError(bad_argument(
+            "tensor_parallel_plan", {name: shown}, "SequenceParallel on modules without children (the norms)",
+            f"Name the norm modules themselves, e.g. `{{'{name}.{child}': SequenceParallel()}}` for a norm there.",
+            problem=f"{name!r} is a {type(module).__name__} with children; torch's SequenceParallel replaces the"
+            " parameters of its whole subtree by their dotted names, which fails inside torch",
+        ))
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return
     colwise = isinstance(style, ColwiseParallel)
