@@ -20,7 +20,7 @@ from common import full, make_fabric, shared_tmpdir
 from harness import TIMEOUT, case, run_cases
 from lightning_fsdp.engine.full_state_load import local_shard
 from lightning_fsdp.trainer import FSDPStrategy as TrainerFSDPStrategy
-from tp_models import GPT, PLAN, Block
+from tp_models import GPT, PLAN, Block, TiedGPT
 from tp_training import BATCH, WORLD, Lit, Tokens, adamw, dp_rank, loss_of, tokens
 
 
@@ -122,6 +122,7 @@ class _Record(L.Callback):
 
     def on_train_start(self, trainer, lit) -> None:
         self.start = _full_state(lit.model, trainer.optimizers[0])
+        assert lit.model.head.weight is lit.model.wte.weight, "the tied weight is two parameters"
 
     def on_train_end(self, trainer, lit) -> None:
         self.end = _full_state(lit.model, trainer.optimizers[0])
@@ -131,18 +132,19 @@ def _trainer(max_steps: int, record: _Record, root) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=WORLD, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[record], default_root_dir=root,
-        strategy=TrainerFSDPStrategy(auto_wrap_policy={Block}, tensor_parallel_size=2, tensor_parallel_plan=PLAN,
-                                     timeout=TIMEOUT),
+        strategy=TrainerFSDPStrategy(auto_wrap_policy={Block}, tensor_parallel_size=2,
+                                     tensor_parallel_plan={**PLAN, "head": "colwise_rep"}, timeout=TIMEOUT),
     )
 
 
 @case
 def trainer_resumes_under_tensor_parallel_from_its_default_full_checkpoint():
     """``fit`` 2 steps, ``save_checkpoint`` with the strategy's default (``state_dict_type="full"``), then a new
-    Trainer's ``fit(ckpt_path=...)``: training starts from exactly the saved weights and optimizer state, at step 2."""
+    Trainer's ``fit(ckpt_path=...)``: training starts from exactly the saved weights and optimizer state, at step 2.
+    The model's head is tied to its embedding and split with it, so the tie goes through the round trip too."""
     first = _Record()
     trainer = _trainer(2, first, None)
-    trainer.fit(Lit(GPT), DataLoader(Tokens(), batch_size=BATCH))
+    trainer.fit(Lit(TiedGPT), DataLoader(Tokens(), batch_size=BATCH))
     assert trainer.strategy.config.state_dict_type == "full"
     root = shared_tmpdir(trainer.strategy)
     trainer.save_checkpoint(root / "last.ckpt")
@@ -150,7 +152,7 @@ def trainer_resumes_under_tensor_parallel_from_its_default_full_checkpoint():
         assert (root / "last.ckpt").is_file(), "the default checkpoint is not one full file"
     second = _Record()
     resumed = _trainer(3, second, root)
-    resumed.fit(Lit(GPT), DataLoader(Tokens(), batch_size=BATCH), ckpt_path=root / "last.ckpt")
+    resumed.fit(Lit(TiedGPT), DataLoader(Tokens(), batch_size=BATCH), ckpt_path=root / "last.ckpt")
     assert sorted(second.start) == sorted(first.end)
     for key, value in first.end.items():
         assert torch.equal(second.start[key], value), f"{key} differs after the resume"
