@@ -216,3 +216,15 @@ def test_storage_options_must_be_a_dict():
     with pytest.raises(TypeError, match=r"Invalid `storage_options='http://x'`.*Allowed.*HINT"):
         FSDPConfig.from_arguments(storage_options="http://x")
     assert FSDPConfig.from_arguments(storage_options={"anon": False}).storage_options_dict == {"anon": False}
+
+
+def test_a_superseded_checkpoint_at_a_url_is_removed_through_its_store(memory_url):
+    """``ModelCheckpoint(save_top_k=...)`` removes old checkpoints through ``strategy.remove_checkpoint``, which
+    hands a URL to the background saves' deferred removals: the commit goes first, then the objects."""
+    from lightning_fsdp.checkpoint.save import AsyncSaves
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    store = store_for(memory_url)
+    store.commit(_stage(store, memory_url, "333333333333", {"a.distcp": b"x"}), memory_url, _Alone())
+    AsyncSaves().remove(memory_url)
+    assert store.read_commit(memory_url) is None and not store.fs.exists(memory_url)

@@ -305,8 +305,9 @@ class AsyncSaves:
 
     def remove(self, path: Target) -> None:
         """Remove the checkpoint at ``path`` (on rank 0, where it is called), once the save in flight, if any, is
-        committed; never if that save fails."""
-        self._removals.remove(path)
+        committed; never if that save fails. A URL is removed through its store (its commit object first)."""
+        store = store_for(path)
+        self._removals.defer(lambda: store.remove(path), f"Removing the superseded checkpoint {str(path)!r}")
 
     def after_commit(self, action: Callable[[], Any], what: str) -> None:
         """Run ``action`` (on the rank that calls this) once the save in flight, if any, is committed: at once when

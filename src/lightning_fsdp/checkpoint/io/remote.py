@@ -238,7 +238,7 @@ class FsspecStore:
             try:
                 yield local
             except Exception as err:
-                raise _renamed(err, str(local), target)
+                raise _renamed(err, str(local), target)  # the message names the URL, not the temporary copy
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
