@@ -210,7 +210,9 @@ def _load_full(
             if not verifiers[0].recorded:
                 note_unverified(source)
             if not isinstance(loaded, dict):
-                raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict")
+                raise ValueError(f"{str(source)!r} holds a {type(loaded).__name__}, not a checkpoint dict. HINT: load"
+                                 " files that a save wrote from a dict of state (`fabric.save(path, {'model': model})`);"
+                                 " read this one with `torch.load(path, weights_only=True)`.")
             contents.update({next(iter(split.models)): loaded} if bare_model else loaded)
 
     together(comm, f"Reading {str(source)!r}", open_file)
