@@ -1,12 +1,20 @@
 """The ``lightning-fsdp`` command (also ``python -m lightning_fsdp``): inspect and convert checkpoints, and plan
 the memory of a run before launching it.
 
-    lightning-fsdp inspect PATH [--tensors] [--json] [--verify]
+    lightning-fsdp inspect PATH [--tensors] [--json] [--verify] [--storage-option KEY=VALUE ...]
     lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY]
-                           [--strip-prefix PREFIX] [--overwrite]
+                           [--strip-prefix PREFIX] [--overwrite] [--storage-option KEY=VALUE ...]
+    lightning-fsdp clean URL [--storage-option KEY=VALUE ...]
     lightning-fsdp plan --model MODULE:FACTORY --inputs MODULE:FACTORY --world-size N [strategy options] [--json]
 
 ``plan`` is :mod:`lightning_fsdp.planner.command`.
+
+PATH, SRC and DST may be URLs (``s3://bucket/run/step-3``, ``gs://``, ``az://``, any fsspec protocol): a checkpoint
+there is the committed one (:mod:`lightning_fsdp.checkpoint.io.remote`), fetched and checked as a load does, and a
+conversion to a URL commits there as a save does. Endpoint and credentials come from the environment as the
+filesystem reads them (for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), or from ``--storage-option
+KEY=VALUE`` (passed to fsspec; VALUE is read as JSON where it parses, so ``use_ssl=false`` is a boolean). ``clean``
+removes what unfinished saves left at a checkpoint URL (objects no commit names, incomplete multipart uploads).
 
 It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
@@ -22,10 +30,12 @@ more than a second; ``--progress`` shows it at once and anyway (in a log file, s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import uuid
 import zipfile
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from lightning_fsdp.checkpoint.convert import (
     FORMATS,
@@ -39,6 +49,7 @@ from lightning_fsdp.checkpoint.convert import (
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.io.store import is_url, store_for
 from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]
@@ -55,10 +66,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     except CheckpointError as err:  # bytes that do not parse: its message names the file and the fix
         return _fail(str(err), 2)
     except OSError as err:
+        if "HINT:" in str(err):  # a store's error: it names the URL and the fix already
+            return _fail(_said(err), 1)
         return _fail(f"{err}. HINT: check that SRC is readable and that DST's directory is writable and has free"
                      " space, then run the command again.", 1)
     except KeyboardInterrupt:
         return _fail("interrupted; no output was changed.", 130)
+
+
+def _said(err: OSError) -> str:
+    """An OSError's own words, without Python's ``[Errno 2]`` in front."""
+    return err.strerror if isinstance(err.strerror, str) and err.filename is None else str(err)
 
 
 def _fail(message: str, status: int) -> int:
@@ -78,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Inspect and convert lightning-fsdp checkpoints (full and sharded), and plan"
                                             " the memory of a run before launching it.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan,clean}")
 
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds",
                                   description="Show a checkpoint's format, world size, models, optimizers and"
@@ -90,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="also check every byte against the checksums recorded at save (reads the whole"
                               " checkpoint, loads nothing into a model); exit status 1 on a mismatch")
     _add_allow_pickle(inspect)
+    _add_storage_options(inspect)
     inspect.set_defaults(run=_inspect)
 
     add_plan_command(commands)
@@ -117,7 +136,15 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help="show a progress bar on stderr (default: when stderr is a terminal)")
     _add_allow_pickle(conv)
+    _add_storage_options(conv)
     conv.set_defaults(run=_convert)
+
+    clean = commands.add_parser("clean", help="remove what unfinished saves left at a checkpoint URL",
+                                description="Remove the objects of saves that never committed at a checkpoint URL,"
+                                            " and its incomplete multipart uploads; the committed checkpoint stays.")
+    clean.add_argument("url", metavar="URL", help="a checkpoint URL, e.g. s3://bucket/run/step-3")
+    _add_storage_options(clean)
+    clean.set_defaults(run=_clean)
     return parser
 
 
@@ -125,6 +152,68 @@ def _add_allow_pickle(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="unpickle entries that are not tensors or plain data; this can run arbitrary code, so"
                              " use it only for checkpoints you trust")
+
+
+def _add_storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", action="append", type=_storage_option, default=[], metavar="KEY=VALUE",
+                        dest="storage_options",
+                        help="for a URL: an fsspec filesystem option, e.g. endpoint_url=http://host:9000 (repeat for"
+                             " more; VALUE is read as JSON where it parses). Default: the environment's settings")
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(
+            f"Invalid storage option {text!r}. Allowed: --storage-option KEY=VALUE, an fsspec filesystem option."
+            " HINT: e.g. `--storage-option endpoint_url=http://localhost:9000`")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _options(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    return dict(args.storage_options) or None
+
+
+class _OneProcess:
+    """The collectives a store needs, in this one process (the command runs without a process group)."""
+
+    global_rank = 0
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]:
+        return None if error is None else (0, error)
+
+
+@contextlib.contextmanager
+def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
+    """A local path to read the checkpoint at ``path`` from, for the time of the block: a local path as given (so the
+    command reads exactly what the user named), or for a URL the committed checkpoint, fetched and size- and
+    digest-checked by its store. A URL never becomes a ``Path``: that would fold ``s3://`` into ``s3:/``."""
+    if not is_url(path):
+        yield path
+        return
+    try:
+        opened = store_for(path, options).open_committed(path, _OneProcess())
+        local = opened.__enter__()
+    except FileNotFoundError as err:
+        if err.errno is None:
+            raise
+        raise UsageError(_said(err)) from err  # no checkpoint at that URL: input the user can fix, as for a path
+    try:
+        yield str(local)
+    except BaseException:
+        if not opened.__exit__(*sys.exc_info()):
+            raise
+    else:
+        opened.__exit__(None, None, None)
 
 
 def _size(text: str) -> int:
@@ -136,28 +225,43 @@ def _size(text: str) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        source = open_checkpoint(args.path, allow_pickle=args.allow_pickle)
+        with _readable(args.path, _options(args)) as local:
+            return _inspect_local(args, local)
+    except ChecksumError as err:  # an object that does not match its commit record: damaged, as a shard would be
+        return _fail(str(err), 1 if args.verify else 2)
+
+
+def _inspect_local(args: argparse.Namespace, path: str) -> int:
+    try:
+        source = open_checkpoint(path, allow_pickle=args.allow_pickle)
     except (UsageError, CheckpointError) as err:
         # Opening reads meta.pt and .metadata, checked against their digests: with --verify, a file that fails its
         # checksum is a failed verification (status 1), as a damaged shard is, not unreadable input (status 2).
         # A file that begins as a zip archive but does not open as one was cut short: damaged, not the wrong input.
         failed_checksum = err if isinstance(err, ChecksumError) else err.__cause__
         if args.verify and isinstance(failed_checksum, ChecksumError):
-            return _fail(str(err), 1)
-        if args.verify and _cut_short_zip(args.path):
+            return _fail(_as_given(err, path, args.path), 1)
+        if args.verify and _cut_short_zip(path):
             return _fail(f"{args.path!r} begins as a torch.save zip archive but does not open as one: it was cut short"
                          f" (truncated). {_DAMAGED}", 1)
         raise
     info = describe(source, tensors=args.tensors)
+    info["path"] = args.path if is_url(args.path) else info["path"]
     if args.verify:
         try:
-            info["checksums"] = "verified" if verify_checkpoint(args.path) else "none"
+            info["checksums"] = "verified" if verify_checkpoint(path) else "none"
         except ChecksumError as err:
-            return _fail(str(err), 1)
+            return _fail(_as_given(err, path, args.path), 1)
         except FileNotFoundError as err:  # a shard that `.metadata` names is gone: a failed verification too
-            return _fail(f"{err.filename!r} is missing, though the checkpoint was saved with it. {_DAMAGED}", 1)
+            return _fail(_as_given(f"{err.filename!r} is missing, though the checkpoint was saved with it. {_DAMAGED}",
+                                   path, args.path), 1)
     print(json.dumps(info, indent=2) if args.json else _render(info))
     return 0
+
+
+def _as_given(message: Any, local: str, given: str) -> str:
+    """``message`` naming the checkpoint as the user gave it (a URL), not the local copy it was read from."""
+    return str(message).replace(local, given)
 
 
 _DAMAGED = "HINT: the checkpoint is damaged; load an earlier one, or save this one again."
@@ -173,16 +277,70 @@ def _cut_short_zip(path: str) -> bool:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    source: Any = args.src
+    with _readable(args.src, _options(args)) as local:
+        if not is_url(args.dst):
+            return _convert_local(args, local, args.dst)
+        return _convert_to_url(args, local)
+
+
+def _convert_to_url(args: argparse.Namespace, source: str) -> int:
+    """Convert into a local staging copy, then hand it to DST's store: full and sharded checkpoints commit there as a
+    save does (whole or not at all; an existing one stays until the new one commits); a safetensors export is plain
+    objects, as Hugging Face's loaders read them, its index written last."""
+    options = _options(args)
+    store = store_for(args.dst, options)
+    target = store.target(args.dst)
+    comm = _OneProcess()
+    if args.to == "safetensors":
+        return _export_to_url(args, source, target, options)
+    store.check_target(target, 0)  # a missing bucket, or objects no save wrote, refused before any work
+    if store.exists(target) and not args.overwrite:
+        raise UsageError(f"DST {target!r} already exists. HINT: pass --overwrite to replace it (it stays until the"
+                         " new checkpoint commits), or choose another DST.")
+    staged = store.staging(target, uuid.uuid4().hex[:16], 0)
+    try:
+        _convert_local(args, source, str(staged), report=False)
+    except BaseException:
+        store.discard(staged, 0)
+        raise
+    store.commit(staged, target, comm)  # removes the staged copy, committed or not
+    print(f"wrote {target} ({args.to})")
+    return 0
+
+
+def _export_to_url(args: argparse.Namespace, source: str, target: str, options: Optional[dict[str, Any]]) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from lightning_fsdp.checkpoint.io.urls import filesystem, join
+
+    fs = filesystem(target, options)
+    if fs.exists(target) and not args.overwrite:
+        raise UsageError(f"DST {target!r} already exists. HINT: pass --overwrite to replace it, or choose another"
+                         " DST.")
+    with tempfile.TemporaryDirectory(prefix="lightning-fsdp-export-") as root:
+        local = Path(root) / target.rstrip("/").rsplit("/", 1)[-1]
+        _convert_local(args, source, str(local), report=False)
+        files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+        # The index last: a reader that finds it finds every shard it names.
+        files.sort(key=lambda p: p.name.endswith(".index.json"))
+        for file in files:
+            fs.put_file(str(file), join(target, file.relative_to(local).as_posix()) if local.is_dir() else target)
+    print(f"wrote {target} ({args.to})")
+    return 0
+
+
+def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = True) -> int:
+    source: Any = src
     prefix, what = args.strip_prefix, ""
     if args.to == "safetensors":
         # Open first to settle the names, so the report says exactly what the export did.
-        source = open_checkpoint(args.src, allow_pickle=args.allow_pickle)
+        source = open_checkpoint(src, allow_pickle=args.allow_pickle)
         prefix, what = export_prefix(source, model=args.model, strip_prefix=args.strip_prefix)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     bar = _bar(args.to, immediate=bool(args.progress)) if show else None
     try:
-        target = convert(source, args.dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
+        target = convert(source, dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar,
                          strip_prefix=prefix)
     except OSError as err:
@@ -192,7 +350,22 @@ def _convert(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"wrote {target} ({args.to}{'; ' + what if what else ''})")
+    if report:
+        print(f"wrote {target} ({args.to}{'; ' + what if what else ''})")
+    return 0
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from lightning_fsdp.checkpoint.io.remote import clean
+
+    if not is_url(args.url):
+        raise UsageError(f"`clean` takes a checkpoint URL, got {args.url!r}. HINT: e.g. `{PROG} clean"
+                         " s3://bucket/run/step-3`; a local save leaves nothing to clean (its staging copy is"
+                         " removed by the next save).")
+    removed = clean(args.url, _options(args))
+    for url in removed:
+        print(f"removed {url}")
+    print(f"{args.url}: {len(removed)} leftover{'s' if len(removed) != 1 else ''} removed")
     return 0
 
 
