@@ -18,6 +18,11 @@ any weight moves):
 
 Every name pattern must match a module, no module may be named twice, and a style must fit its module: the
 column/row styles go on ``nn.Linear`` and ``nn.Embedding`` whose split dimension the tensor-parallel size divides.
+Hugging Face's ``"sequence_parallel"`` is refused by name (it needs sequence-split activations that no other style
+gives), and so is a ``SequenceParallel`` object on a module with children.
+
+A parameter that several modules share (tied embeddings and head) stays one parameter with one placement
+(:func:`settle_ties` before the split, ``_retie`` after it): the invariant "a tie survives tensor parallelism".
 """
 
 from __future__ import annotations
@@ -413,7 +418,8 @@ def _refuse_sequence_parallel(pattern: Any, modules: Sequence[str] = ()) -> str:
         "tensor_parallel_plan", {pattern: _SEQUENCE_PARALLEL}, f"styles {', '.join(repr(s) for s in STYLES)} or torch"
         " ParallelStyle objects",
         f"Leave {pattern!r} out of the plan: the modules it names then stay whole on every rank of a tensor-parallel"
-        " group, and FSDP shards them over the data-parallel ranks as it shards any unplanned layer.",
+        " group, and FSDP shards them over the data-parallel ranks as it shards any unplanned layer"
+        + (" (for a Hugging Face model's own plan, pass it as a dict without that entry)." if modules else "."),
         problem=f"The style 'sequence_parallel' of {pattern!r}{where} is not supported: it expects the activations"
         " between the layers split along the sequence, but 'colwise' and 'rowwise' take and give whole sequences, so"
         " torch would fail inside the forward with a shape error",
