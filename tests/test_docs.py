@@ -6,6 +6,7 @@ How blocks are found and marked: ``tests/doc_snippets.py``.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -56,6 +57,20 @@ def test_there_are_snippets_to_run():
     assert len([s for s in SNIPPETS if s.kind == "python"]) >= 8
 
 
+def asserts_of(code: str) -> int:
+    """How many ``assert`` statements a snippet holds (a ``raise AssertionError`` or a print checks nothing)."""
+    return sum(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(code)))
+
+
+def test_every_python_snippet_asserts_what_it_shows():
+    """A snippet that only runs (or prints) passes with what it shows broken: each one asserts its point (a load
+    compares the weights, a resume the step it went on from, an export the reloaded model's loss)."""
+    silent = [s.name for s in SNIPPETS if s.kind == "python" and not asserts_of(s.code)]
+    assert not silent, f"Python snippets without an assert: {silent}"
+    assert asserts_of("x = 1\nprint(x)\nif x:\n    raise AssertionError\n") == 0  # the control
+    assert asserts_of("x = 1\nassert x == 1\n") == 1
+
+
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "python"], ids=lambda s: s.name)
 def test_python_snippet_runs(snippet, launches):
     launches(snippet.ranks).check(snippet.name)
@@ -64,7 +79,9 @@ def test_python_snippet_runs(snippet, launches):
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "cli-config"], ids=lambda s: s.name)
 def test_yaml_snippet_trains(snippet, tmp_path):
     """The config trains, and each of its strategy options shows in the sharded model (read on every rank by
-    tests/workers/yaml_report.py): a dropped `cpu_offload` or policy fails here, not only a crash."""
+    tests/workers/yaml_report.py) and in the checkpoint it writes: a dropped `cpu_offload`, policy or
+    `state_dict_type` fails here, not only a crash. The model has one block (`--model.layers=1`), so the default
+    policy ("auto": the repeated blocks) wraps none, and an `auto_wrap_policy` that is ignored shows."""
     config = tmp_path / "config.yaml"
     config.write_text(snippet.code)
     report = tmp_path / "report"
@@ -74,6 +91,7 @@ def test_yaml_snippet_trains(snippet, tmp_path):
     proc = subprocess.run(
         [forkserver.python(), str(ROOT / "examples" / "cli_train.py"), "fit", "--config", str(config),
          "--trainer.max_steps=2", "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+         "--model.layers=1",
          "--trainer.callbacks+=yaml_report.StrategyReport"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, start_new_session=True,
     )
@@ -81,7 +99,8 @@ def test_yaml_snippet_trains(snippet, tmp_path):
     trainer = yaml.safe_load(snippet.code)["trainer"]
     reports = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in range(int(trainer["devices"]))]
     assert all(r == reports[0] for r in reports), reports
-    _check_effects(trainer, reports[0])
+    saved = sorted((tmp_path / "runs").rglob("*.ckpt"))
+    _check_effects(trainer, dict(reports[0], checkpoints=["directory" if p.is_dir() else "file" for p in saved]))
 
 
 def _check_effects(trainer: dict, seen: dict) -> None:
@@ -99,7 +118,8 @@ def _check_effects(trainer: dict, seen: dict) -> None:
         "auto_wrap_policy": lambda v: {n.rsplit(".", 1)[-1] for n in v} <= set(seen["unit_classes"]),
         "activation_checkpointing_policy": lambda v: seen["checkpointed_classes"] == sorted(n.rsplit(".", 1)[-1]
                                                                                           for n in v),
-        "state_dict_type": lambda v: seen["state_dict_type"] == v,
+        "state_dict_type": lambda v: seen["state_dict_type"] == v and seen["checkpoints"]
+                                     and set(seen["checkpoints"]) == {"directory" if v == "sharded" else "file"},
     }
     unchecked = sorted(set(args) - set(checks))
     assert not unchecked, f"strategy options with no effect check in tests/test_docs.py: {unchecked}"
@@ -109,6 +129,43 @@ def _check_effects(trainer: dict, seen: dict) -> None:
         assert seen["offloaded_units"] == 0, seen
     if "activation_checkpointing_policy" not in args:
         assert seen["checkpointed_classes"] == [], seen
+
+
+# What the prose right before a YAML snippet may say of it, and the option that must then be in the YAML (whose
+# effect `_check_effects` checks): a sentence that names CPU offload above a config without it fails.
+PROSE_CLAIMS = {
+    r"CPU offload": lambda args: args.get("cpu_offload") is True,
+    r"activation\s+checkpointing": lambda args: bool(args.get("activation_checkpointing_policy")),
+    r"hybrid\s+sharding": lambda args: "HYBRID" in str(args.get("sharding_strategy", "")).upper(),
+    r"\(1, 2\) mesh": lambda args: list(args.get("device_mesh", ())) == [1, 2],
+    r"sharded\s+checkpoints?": lambda args: args.get("state_dict_type") == "sharded",
+    r"FULL_SHARD": lambda args: str(args.get("sharding_strategy", "FULL_SHARD")).upper() == "FULL_SHARD",
+}
+
+
+def prose_before(snippet) -> str:
+    """The paragraph right above a snippet's marker: what the page says the block does."""
+    lines = (ROOT / snippet.path).read_text().splitlines()[:snippet.line - 1]
+    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith("<!--")):
+        lines.pop()
+    paragraph = []
+    while lines and lines[-1].strip():
+        paragraph.insert(0, lines.pop())
+    return " ".join(paragraph)
+
+
+def unbacked_claims(prose: str, config: str) -> list[str]:
+    args = yaml.safe_load(config)["trainer"]["strategy"].get("init_args", {})
+    return [claim for claim, holds in PROSE_CLAIMS.items() if re.search(claim, prose) and not holds(args)]
+
+
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.kind == "cli-config"], ids=lambda s: s.name)
+def test_yaml_snippet_prose_claims_what_the_config_sets(snippet):
+    """The sentence above a YAML snippet names only options the YAML sets, so the effect checks above read them."""
+    prose = prose_before(snippet)
+    assert not unbacked_claims(prose, snippet.code), f"{snippet.name}: {prose!r} claims what the YAML does not set"
+    control = "trainer:\n  strategy:\n    init_args:\n      sharding_strategy: HYBRID_SHARD\n"
+    assert unbacked_claims("hybrid sharding, with CPU offload", control) == ["CPU offload"]
 
 
 def test_markers_are_checked():
