@@ -172,11 +172,37 @@ def mixed_precision_policy_overrides_the_precision_setting():
 @case
 def parity_bf16_mixed():
     # bf16 keeps 8 bits of mantissa (0.4% per rounding), and FSDP casts every parameter while autocast casts only
-    # the matmul inputs. Observed here: 1.5e-3 on the loss, 4e-4 on the parameters; 5e-3 leaves headroom.
+    # the matmul inputs, so the run matches the bf16-autocast reference only loosely (observed here: 8e-4 to 1.5e-3
+    # on the loss, 3e-4 to 4e-4 on the parameters; 5e-3 leaves headroom). That bound alone also passes a run that
+    # computes in fp32 (no cast, no autocast: 2e-4 from the same reference), so the case checks the compute dtype
+    # directly, and that the run is at least FP32_FLOOR from the fp32 reference: bf16 compute was 3.4e-4
+    # (parameters) and 1.1e-3 (loss) away from it, fp32 compute 1.2e-7 and 2.4e-7.
     fabric = make_fabric(WORLD, precision="bf16-mixed")
     model, losses, _ = fsdp_run(fabric, STEPS, make_optimizer=plain_sgd)
     reference, ref_losses, _ = reference_run(STEPS, WORLD, plain_sgd, autocast_dtype=torch.bfloat16)
-    return compare(model, reference, losses, ref_losses, atol=5e-3)
+    result = compare(model, reference, losses, ref_losses, atol=5e-3)
+    fp32_reference, fp32_losses, _ = reference_run(STEPS, WORLD, plain_sgd)
+    got, fp32 = full_params(model), fp32_reference.state_dict()
+    from_fp32 = max((got[k] - fp32[k]).abs().max().item() for k in fp32)
+    loss_from_fp32 = max(abs(a - b) for a, b in zip(losses, fp32_losses))
+    assert from_fp32 >= FP32_FLOOR and loss_from_fp32 >= FP32_FLOOR, (
+        f"bf16-mixed is within {from_fp32:.1e} (parameters) and {loss_from_fp32:.1e} (loss) of fp32 compute: it did"
+        f" not compute in bf16 (floor {FP32_FLOOR:.0e})")
+    seen: list = []
+    linear = model.module.blocks[0].mlp[0]
+    hook = linear.register_forward_hook(lambda mod, args, out: seen.append((mod.weight.dtype, out.dtype)))
+    try:
+        model(make_batch(0, fabric.global_rank)[:, :-1])
+    finally:
+        hook.remove()
+        model.module.reshard()
+    assert seen == [(torch.bfloat16, torch.bfloat16)], f"a Linear computed with (weight, output) dtypes {seen}"
+    return {**result, "param_diff_from_fp32": from_fp32, "loss_diff_from_fp32": loss_from_fp32,
+            "compute": [str(d) for d in seen[0]]}
+
+
+# 40x below what bf16 compute moves, 80x above fp32 compute's summation-order difference (see parity_bf16_mixed).
+FP32_FLOOR = 1e-5
 
 
 def plain_sgd(model: nn.Module) -> torch.optim.Optimizer:
