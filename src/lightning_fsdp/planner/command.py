@@ -70,6 +70,8 @@ def add_plan_command(commands: Any) -> None:
                       help="what to split over each group: 'auto' (a Hugging Face model's own tp_plan), a JSON mapping"
                            """ of module-name patterns to styles, e.g. '{"blocks.*.mlp.up": "colwise"}', or a dict or"""
                            " callable (module, tp_mesh) named as mypkg.plans:PLAN or path/to/file.py:PLAN")
+    plan.add_argument("--accumulate-grad-batches", type=_positive_int, default=1, metavar="N",
+                      help="batches per optimizer step, as Trainer(accumulate_grad_batches=N)")
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
                       help="the optimizer whose states are planned: adamw, adam or sgd (default: adamw)")
     plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
@@ -105,7 +107,8 @@ def _run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             plan = plan_memory(model, inputs, world_size=args.world_size, num_nodes=args.num_nodes,
-                               precision=args.precision, optimizer=args.optimizer, **options)
+                               precision=args.precision, optimizer=args.optimizer,
+                               accumulate_grad_batches=args.accumulate_grad_batches, **options)
             suggestions = []
             if args.memory_budget is not None and not plan.fits(args.memory_budget):
                 suggestions = suggest(model, inputs, plan, args.memory_budget)

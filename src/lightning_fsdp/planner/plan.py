@@ -140,6 +140,7 @@ def plan_memory(
     num_nodes: int = 1,
     precision: str = "32-true",
     optimizer: str = "adamw",
+    accumulate_grad_batches: int = 1,
     **strategy_options: Any,
 ) -> MemoryPlan:
     """Plan the memory of one training step on each of ``world_size`` ranks, allocating nothing.
@@ -157,6 +158,9 @@ def plan_memory(
         num_nodes: the number of nodes of the run to plan.
         precision: as in ``Fabric(precision=...)``.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (with momentum).
+        accumulate_grad_batches: batches per optimizer step, as ``Trainer(accumulate_grad_batches=...)`` (or a
+            Fabric loop under ``fabric.no_backward_sync`` for all but the last): the batches before the last keep
+            FSDP's unsharded gradients from one backward to the next.
         **strategy_options: ``FSDPStrategy``'s own arguments: ``sharding_strategy``, ``auto_wrap_policy``,
             ``activation_checkpointing_policy``, ``cpu_offload``, ``mixed_precision``, ``device_mesh``,
             ``reshard_after_forward``, ``forward_prefetch``, ``backward_prefetch``, ``tensor_parallel_size`` and
@@ -166,11 +170,19 @@ def plan_memory(
     Call it before launching (it runs on a process group of its own, with the planned world size).
     """
     _check(world_size, num_nodes, precision, optimizer, strategy_options)
+    if not isinstance(accumulate_grad_batches, int) or isinstance(accumulate_grad_batches, bool) \
+            or accumulate_grad_batches < 1:
+        raise ValueError(bad_argument("accumulate_grad_batches", accumulate_grad_batches, "an int >= 1",
+                                      "Pass the Trainer's value, e.g. `accumulate_grad_batches=4`."))
     config = FSDPConfig.from_arguments(**strategy_options)
     ranks = [0] if world_size == 1 else [0, world_size - 1]
-    planned = {r: run_step(model, batch, config, precision, optimizer, world_size, r, num_nodes) for r in ranks}
+    planned = {r: run_step(model, batch, config, precision, optimizer, world_size, r, num_nodes,
+                           accumulate_grad_batches) for r in ranks}
     chosen = planned[min(planned)].optimizer  # a LightningModule's own, from `configure_optimizers`
-    settings = {"precision": precision, "optimizer": chosen or optimizer, **strategy_options}
+    loop = planned[min(planned)].loop  # a LightningModule's step follows the Trainer's order
+    settings = {"precision": precision, "optimizer": chosen or optimizer, **({"loop": loop} if loop != "fabric" else {}),
+                **({"accumulate_grad_batches": accumulate_grad_batches} if accumulate_grad_batches > 1 else {}),
+                **strategy_options}
     return MemoryPlan(world_size=world_size, settings=settings, ranks=planned, planned_ranks=ranks)
 
 

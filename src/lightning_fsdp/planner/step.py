@@ -12,10 +12,13 @@ A LightningModule is planned as the Trainer runs it: ``configure_model``, shardi
 are the roots, as on the Trainer front), the optimizer of ``configure_optimizers``, and ``training_step(batch, 0)`` in
 place of forward.
 
-The step is the one a training loop runs in its steady state: forward; backward of the output if it is a scalar, of
-its ``.loss`` if it has one, else of its sum; one optimizer step. Steady state means the optimizer already holds its
-state (AdamW's two moments) from earlier steps, and gradients were set to ``None`` after the last step: the first
-step of a run peaks lower, since its optimizer state appears only when its activations are gone.
+The step is the one a training loop runs in its steady state, in the order of the loop that runs it (``loop.py``):
+Fabric's (forward, backward of the output if it is a scalar, of its ``.loss`` if it has one, else of its sum; one
+optimizer step; gradients set to ``None``), or the Trainer's (``training_step`` while the previous step's gradients
+are still alive, then ``zero_grad``, backward and the optimizer step; ``accumulate_grad_batches`` batches per step;
+manual optimization as ``training_step`` orders it). Steady state means the optimizer already holds its state
+(AdamW's two moments) from earlier steps: the first step of a run peaks lower, since its optimizer state appears only
+when its activations are gone.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.compat import clear_dtensor_caches, data_dependent_errors, planner_tools
 from lightning_fsdp.engine.config import FSDPConfig
 from lightning_fsdp.engine.mesh import build_mesh, tensor_parallel_mesh
 from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.engine.sharding import shard_model
+from lightning_fsdp.planner.loop import attach_stand_in, cannot_follow, step_order
 from lightning_fsdp.planner.real_mesh import RealMeshIndices
 from lightning_fsdp.planner.tracker import StepMemTracker
 
@@ -87,8 +92,9 @@ _HINTS = {
 
 
 @contextmanager
-def _running(phase: str) -> Iterator[None]:
-    """Turn a failure of the user's code in ``phase`` into a :class:`PlanningError` that says where and what to do."""
+def _running(phase: str, root: str = "") -> Iterator[None]:
+    """Turn a failure of the user's code in ``phase`` into a :class:`PlanningError` that says where and what to do;
+    ``root`` names the FSDP root the step's tracker follows."""
     try:
         yield
     except PlanningError:
@@ -101,6 +107,9 @@ def _running(phase: str) -> Iterator[None]:
             " the memory is that of the same step without it.", phase,
         ) from err
     except Exception as err:
+        unfollowed = cannot_follow(phase, err, root, _user_line(err))
+        if unfollowed is not None:
+            raise PlanningError(unfollowed, phase) from err
         message = " ".join(str(err).split()) or "(no message)"
         if len(message) > 300:
             message = message[:297] + "..."
@@ -115,11 +124,14 @@ def _data_dependent(err: Exception) -> str:
     return f"a Python value computed from the data ({err}: `.item()`, `if tensor:`, `int(tensor)`)"
 
 
+_NOT_USER_CODE = ("torch", "lightning", "lightning_fsdp")
+
+
 def _user_line(err: BaseException) -> str:
-    """`` at FILE:LINE (`code`)`` for the innermost frame outside torch and this package: the user's line that
-    failed; empty if there is none (the failure is inside torch, called from here)."""
+    """`` at FILE:LINE (`code`)`` for the innermost frame outside torch, Lightning and this package: the user's line
+    that failed; empty if there is none (the failure is inside torch, called from here)."""
     frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if f"{os.sep}torch{os.sep}" not in f.filename and f"{os.sep}lightning_fsdp{os.sep}" not in f.filename]
+              if not any(f"{os.sep}{package}{os.sep}" in f.filename for package in _NOT_USER_CODE)]
     if not frames:
         return ""
     frame = frames[-1]
@@ -147,11 +159,12 @@ class StepStats:
     peak_unit: str
     optimizer: str = ""  # set when the model chose it: a LightningModule's `configure_optimizers`
     mesh: dict[str, int] = field(default_factory=dict)  # the planned mesh's axes and sizes, e.g. {"shard": 2, "tp": 2}
+    loop: str = "fabric"  # whose order the step followed: "fabric", "trainer", "trainer (manual optimization)"
 
 
 def run_step(
     model: ModelSource, batch: BatchSource, config: FSDPConfig, precision: str, optimizer: str, world_size: int,
-    rank: int, num_nodes: int = 1,
+    rank: int, num_nodes: int = 1, accumulate_grad_batches: int = 1,
 ) -> StepStats:
     """Plan rank ``rank`` of ``world_size`` (see the module docstring)."""
     device = torch.device("cpu")
@@ -173,45 +186,49 @@ def run_step(
                     module.configure_model()
             sharded = shard_model(module, config, mesh, device,
                                   config.mixed_precision or plugin.mixed_precision_policy(), harness=lightning_module)
-            opt = _lightning_optimizer(module) if lightning_module else OPTIMIZERS[optimizer](module.parameters())
+            optimizers = _lightning_optimizers(module) if lightning_module else [OPTIMIZERS[optimizer](module.parameters())]
+            opt = optimizers[0]
             fake_batch = _fake_batch(batch, mode)
-            args, kwargs = ((fake_batch, 0), {}) if lightning_module else _as_call(fake_batch)
             # A LightningModule's step is its `training_step`, as the Trainer runs it (the strategy shards it as a
             # harness, the same as the Trainer front does); any other module's step is its forward.
             step = module.training_step if lightning_module else module
+            phase = "training_step" if lightning_module else "forward"
+            root = _tracked_root(sharded.roots, module)
+            # Manual optimization reaches the optimizers and `manual_backward` through the Trainer: a stand-in follows.
+            stand_in = attach_stand_in(module, optimizers, world_size, rank) if lightning_module else None
+            _refuse_manual_accumulation(module, stand_in, accumulate_grad_batches)
 
-            def forward_backward() -> None:
-                with plugin.forward_context(), _running("training_step" if lightning_module else "forward"):
-                    output = step(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+            def forward(batch_idx: int) -> Any:
+                args, kwargs = ((fake_batch, batch_idx), {}) if lightning_module else _as_call(fake_batch)
+                with plugin.forward_context(), _running(phase, root=_name_of(root, module)):
+                    return step(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+
+            def backward(output: Any) -> None:
                 loss = _loss_of(output)
                 with _running("backward"):
                     loss.backward()
 
+            order = step_order(module, lightning_module, opt, forward, backward, config, accumulate_grad_batches)
+            order.prepare()
             if tensor_parallel:
                 # The steady state of a tensor-parallel step: DTensor caches the sharding of each op it has seen
                 # once, and the first step's propagation allocates tensors of the ops' global shapes that no later
                 # step does. One whole step before the tracked one, as in training.
-                forward_backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            else:
-                _create_optimizer_state(opt)
-            tracker = TRACKER(_tracked_root(sharded.roots, module), opt)
-            tracker.track_inputs((args, kwargs))
+                order.run(_Untracked())
+            tracker = TRACKER(root, opt)
+            tracker.track_inputs((fake_batch,))
+            moments = _TrackedMoments(tracker, module)
             with tracker:
-                forward_backward()
-                before_step = tracker.get_tracker_snapshot("peak")
-                opt.step()
-                after = tracker.get_tracker_snapshot("current")  # params, grads and optimizer state at rest
-                opt.zero_grad(set_to_none=True)
+                order.run(moments)
             peak = tracker.get_tracker_snapshot("peak")
-            units = _unit_stats(tracker, module)
+            units = moments.units()
+            before_step, after = moments.before, moments.after
     peak_dev = _one_device(peak)
     phase, unit = _where(peak_dev["Total"], _one_device(before_step)["Total"], units)
     return StepStats(
         peak_bytes=peak_dev["Total"], peak=_categories(peak_dev), after_step=_categories(_one_device(after)),
         units=units, peak_phase=phase, peak_unit=unit, mesh=dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
-        optimizer=f"{type(opt).__name__} from configure_optimizers" if lightning_module else "",
+        optimizer=f"{type(opt).__name__} from configure_optimizers" if lightning_module else "", loop=order.name,
     )
 
 
@@ -220,25 +237,84 @@ def is_lightning_module(module: nn.Module) -> bool:
     return callable(getattr(module, "training_step", None)) and callable(getattr(module, "configure_optimizers", None))
 
 
-def _lightning_optimizer(module: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer ``configure_optimizers`` returns, in any of the forms the Trainer accepts (an optimizer, a list or
-    tuple whose first item is one or a list of them, or a dict with ``"optimizer"``). Called after sharding, as the
-    Trainer calls it, so it is built over the sharded parameters."""
+def _lightning_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers ``configure_optimizers`` returns, in any of the forms the Trainer accepts (an optimizer, a list
+    of them, ``([optimizers], [schedulers])``, a dict with ``"optimizer"`` or a list of such dicts). Called after
+    sharding, as the Trainer calls it, so they are built over the sharded parameters. The first is the one tracked."""
     with _running("configure_optimizers"):
         found = module.configure_optimizers()
-    while not isinstance(found, torch.optim.Optimizer):
-        if isinstance(found, Mapping) and "optimizer" in found:
-            found = found["optimizer"]
-        elif isinstance(found, (list, tuple)) and found:
-            found = found[0]
-        else:
-            raise PlanningError(
-                f"`{type(module).__name__}.configure_optimizers()` returned {type(found).__name__}, in which the"
-                " planner finds no optimizer. HINT: return an optimizer, e.g."
-                " `return torch.optim.AdamW(self.parameters())`, or a dict with an 'optimizer' entry.",
-                phase="configure_optimizers",
-            )
-    return found
+    optimizers = _optimizers_in(found)
+    if not optimizers:
+        raise PlanningError(
+            f"`{type(module).__name__}.configure_optimizers()` returned {type(found).__name__}, in which the"
+            " planner finds no optimizer. HINT: return an optimizer, e.g."
+            " `return torch.optim.AdamW(self.parameters())`, or a dict with an 'optimizer' entry.",
+            phase="configure_optimizers",
+        )
+    return optimizers
+
+
+def _optimizers_in(found: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(found, torch.optim.Optimizer):
+        return [found]
+    if isinstance(found, Mapping):
+        return _optimizers_in(found.get("optimizer"))
+    if isinstance(found, (list, tuple)) and found:
+        if isinstance(found[0], (list, tuple)):  # ([optimizers], [schedulers])
+            return _optimizers_in(found[0])
+        return [opt for item in found for opt in _optimizers_in(item)]
+    return []
+
+
+def _refuse_manual_accumulation(module: nn.Module, stand_in: Any, accumulate_grad_batches: int) -> None:
+    if stand_in is not None and accumulate_grad_batches != 1:
+        raise ValueError(bad_argument(
+            "accumulate_grad_batches", accumulate_grad_batches, "1 for a LightningModule in manual optimization",
+            "Pass `accumulate_grad_batches=1`: the Trainer refuses automatic accumulation with manual optimization,"
+            f" and `{type(module).__name__}.training_step` decides itself when to step.",
+        ))
+
+
+class _Untracked:
+    def before_step(self) -> None: ...
+    def after_step(self) -> None: ...
+    def between(self) -> None: ...
+
+
+class _TrackedMoments:
+    """Takes the tracker's snapshots at the step's moments (see :class:`~lightning_fsdp.planner.loop.Moments`).
+    Between the batches of an accumulation window the per-unit statistics are kept and cleared: torch's tracker
+    follows each root once (``reset_mod_stats``); the overall peak runs on."""
+
+    def __init__(self, tracker: Any, module: nn.Module) -> None:
+        self.tracker, self.module = tracker, module
+        self.before: dict = {}
+        self.after: dict = {}
+        self._windows: list[list[UnitStats]] = []
+
+    def before_step(self) -> None:
+        self.before = self.tracker.get_tracker_snapshot("peak")
+
+    def after_step(self) -> None:
+        self.after = self.tracker.get_tracker_snapshot("current")  # params, grads and optimizer state at rest
+
+    def between(self) -> None:
+        self._windows.append(_unit_stats(self.tracker, self.module))
+        self.tracker.reset_mod_stats()
+
+    def units(self) -> list[UnitStats]:
+        """Each unit's peaks over every batch of the window, in the model's order."""
+        merged: dict[str, UnitStats] = {}
+        for unit in [u for window in [*self._windows, _unit_stats(self.tracker, self.module)] for u in window]:
+            seen = merged.setdefault(unit.name, UnitStats(unit.name, 0, 0))
+            seen.forward_peak = max(seen.forward_peak, unit.forward_peak)
+            seen.backward_peak = max(seen.backward_peak, unit.backward_peak)
+        order = {n: i for i, (n, _) in enumerate(self.module.named_modules())}
+        return sorted(merged.values(), key=lambda u: order.get(u.name, 0))
+
+
+def _name_of(root: nn.Module, module: nn.Module) -> str:
+    return next((n for n, m in module.named_modules() if m is root), "") or type(root).__name__
 
 
 def _tracked_root(roots: list[nn.Module], module: nn.Module) -> nn.Module:
@@ -263,15 +339,6 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         log.disabled = disabled
-
-
-def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """What earlier steps leave behind: one step on zero gradients creates the state (on fake tensors, for free)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 @contextmanager

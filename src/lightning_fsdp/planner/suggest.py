@@ -69,4 +69,6 @@ def _plan(model: ModelSource, batch: BatchSource, settings: dict[str, Any], base
     world_size = options.pop("world_size", base.world_size)
     precision = options.pop("precision")
     optimizer = options.pop("optimizer")
+    if options.pop("loop", "fabric") != "fabric":
+        optimizer = "adamw"  # the plan named the LightningModule's own (from `configure_optimizers`), which it uses again
     return plan_memory(model, batch, world_size=world_size, precision=precision, optimizer=optimizer, **options)
