@@ -16,6 +16,8 @@ CASES = [
     "a_second_save_to_the_same_url_replaces_the_first_and_removes_its_objects",
     "a_flipped_byte_in_an_object_is_refused_on_every_rank_naming_the_url",
     "a_missing_bucket_is_one_clear_error_on_every_rank",
+    "step_checkpoints_in_a_bucket_keep_the_last_two_and_latest_loads_the_newest",
+    "trainer_model_checkpoint_in_a_bucket_resumes_exactly",
 ]
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.integrity.agreement import together
+from lightning_fsdp.checkpoint.io.store import Target, store_for
 from lightning_fsdp.checkpoint.latest import newest_good_checkpoint, trust
 from lightning_fsdp.checkpoint.retention import check_retention, prune
 
@@ -66,13 +67,16 @@ class StepCheckpoints:
             raise ValueError(f"`StepCheckpoints(name={name!r})` must end in the step number (it gives {formatted!r} for"
                              " step 12), which is how the checkpoints are found. HINT: use a pattern like 'step-{step:08d}'.")
         self.fabric = fabric
-        self.directory = Path(directory)
+        # A folder, or a URL (``s3://bucket/run``): the strategy's ``storage_options`` reach its filesystem.
+        options = getattr(fabric.strategy, "_storage_options", lambda _: None)(None)
+        self._store, self._options = store_for(directory, options), options
+        self.directory = self._store.target(directory)
         self.keep_last, self.keep_every, self.name, self.step_key = keep_last, keep_every, name, step_key
 
-    def path(self, step: int) -> Path:
-        return self.directory / self.name.format(step=step)
+    def path(self, step: int) -> Target:
+        return self._store.child(self.directory, self.name.format(step=step))
 
-    def save(self, state: dict[str, Any], step: Optional[int] = None) -> Path:
+    def save(self, state: dict[str, Any], step: Optional[int] = None) -> Target:
         """Save ``state`` as the checkpoint of ``step`` (default ``state[step_key]``), then delete the committed
         checkpoints that retention no longer keeps. Call it on every rank."""
         step = int(state[self.step_key]) if step is None else int(step)
@@ -87,7 +91,8 @@ class StepCheckpoints:
                 # Retention counts committed checkpoints only, so it runs once `path` is one: at once after a
                 # synchronous save; after a background save, in the thread that commits it, so that exactly
                 # `keep_last` remain at `wait_for_saves`, the next save and exit (and none if that save fails).
-                strategy.after_commit(lambda: (trust(path), prune(self.directory, self.keep_last, self.keep_every)),
+                strategy.after_commit(lambda: (trust(path, self._options),
+                                               prune(self.directory, self.keep_last, self.keep_every, self._options)),
                                       what)
 
             # Rank 0 deletes; the outcome is agreed, so a failed delete raises on every rank (a deferred one: at the
@@ -95,13 +100,13 @@ class StepCheckpoints:
             together(comm, what, lambda: prune_once_committed() if comm.global_rank == 0 else None)
         return path
 
-    def latest(self) -> Optional[Path]:
+    def latest(self) -> Optional[Target]:
         """The checkpoint committed last that passes verification, the same on every rank (None if there is none)."""
-        found = newest_good_checkpoint(self.directory) if self.fabric.global_rank == 0 else None
+        found = newest_good_checkpoint(self.directory, self._options) if self.fabric.global_rank == 0 else None
         found = self.fabric.broadcast(None if found is None else str(found))
-        return None if found is None else Path(found)
+        return None if found is None else self._store.target(found)
 
-    def resume(self, state: dict[str, Any], strict: bool = True) -> Optional[Path]:
+    def resume(self, state: dict[str, Any], strict: bool = True) -> Optional[Target]:
         """Load the newest good checkpoint (by commit, :meth:`latest`) into ``state`` (in place) and return its
         path; None, and ``state`` untouched, when the directory holds none (a fresh start)."""
         found = self.latest()

@@ -129,5 +129,61 @@ def a_missing_bucket_is_one_clear_error_on_every_rank():
     raise AssertionError("a save to a missing bucket returned")
 
 
+
+@case
+def step_checkpoints_in_a_bucket_keep_the_last_two_and_latest_loads_the_newest():
+    from lightning_fsdp.step_checkpoints import StepCheckpoints
+
+    fabric = make_fabric(WORLD)
+    model, opt = _setup(fabric)
+    directory = _url(fabric, "run")
+    checkpoints = StepCheckpoints(fabric, directory, keep_last=2)
+    assert checkpoints.resume({"model": model, "optimizer": opt, "step": 0}) is None  # a fresh start
+    for step in (1, 2, 3):
+        train_steps(fabric, model, opt, 1, start=step - 1)
+        checkpoints.save({"model": model, "optimizer": opt, "step": step})
+    expected = full_params(model)
+    if fabric.global_rank == 0:
+        s3 = _s3()
+        names = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(directory))
+        assert names == ["step-00000002", "step-00000003"], names
+    fabric.barrier()
+    model2, opt2 = _setup(fabric, seed=1)
+    remainder = fabric.load(f"{directory}/latest", {"model": model2, "optimizer": opt2})
+    assert remainder == {"step": 3} and same_tensors(full_params(model2), expected), remainder
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    assert checkpoints.resume(state) == f"{directory}/step-00000003" and state["step"] == 3
+
+
+@case
+def trainer_model_checkpoint_in_a_bucket_resumes_exactly():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainer_common import LitGPT, compare_params, gathered, loader, make_trainer, strategy
+
+    dirpath = _url(make_fabric(WORLD), "trainer")
+
+    def callbacks():
+        return [ModelCheckpoint(dirpath=dirpath, filename="{epoch}", save_top_k=-1, save_last=True)]
+
+    uninterrupted = LitGPT(optimizer="adamw", scheduler=True)
+    make_trainer(strategy(), enable_checkpointing=True, callbacks=callbacks()).fit(uninterrupted, loader())
+    assert not os.path.exists("s3:"), "a local folder named 's3:' was written"
+    expected = gathered(uninterrupted.model)
+    for ckpt_path in (f"{dirpath}/epoch=0.ckpt", f"{dirpath}/latest"):
+        resumed = LitGPT(optimizer="adamw", scheduler=True)
+        trainer = make_trainer(strategy(), max_epochs=2 if "epoch" in ckpt_path else 3)
+        trainer.fit(resumed, loader(), ckpt_path=ckpt_path)
+        assert trainer.global_step == (8 if "epoch" in ckpt_path else 12), (ckpt_path, trainer.global_step)
+        if "epoch" in ckpt_path:
+            compare_params(gathered(resumed.model), expected, atol=0.0)
+    # `last.ckpt`, refreshed after every epoch, is a checkpoint of the last epoch
+    resumed = LitGPT(optimizer="adamw", scheduler=True)
+    trainer = make_trainer(strategy())
+    trainer.fit(resumed, loader(), ckpt_path=f"{dirpath}/last.ckpt")
+    assert trainer.global_step == 8
+    compare_params(gathered(resumed.model), expected, atol=0.0)
+
+
 if __name__ == "__main__":
     run_cases()

@@ -19,19 +19,14 @@ does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as i
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import threading
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value, order_key
-from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, is_full_checkpoint, is_sharded_checkpoint
-from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
-from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.formats.commit_order import order_key
+from lightning_fsdp.checkpoint.io.store import Target, store_for
 
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
@@ -43,34 +38,26 @@ LATEST = "latest"
 _TRAILING_NUMBER = re.compile(r"(\d+)(?:-v\d+)?(?:\.[A-Za-z]+)?$")
 
 
-def step_of(path: Path) -> Optional[int]:
+def step_of(path: Union[str, Path]) -> Optional[int]:
     """The step a checkpoint's name ends in (``step-00000100``, ``epoch=0-step=100.ckpt`` and Lightning's second
-    ``step=100-v1.ckpt`` give 100), else None."""
-    match = _TRAILING_NUMBER.search(path.name)
+    ``step=100-v1.ckpt`` give 100), else None. ``path`` may be a URL."""
+    name = path.name if isinstance(path, Path) else str(path).rstrip("/").rsplit("/", 1)[-1]
+    match = _TRAILING_NUMBER.search(name)
     return int(match.group(1)) if match else None
 
 
-# What this process has learned about each checkpoint, valid while its files are unchanged (`_fingerprint`): its
-# commit order, and whether it verified. A checkpoint is read once per process, not at every save's retention; a
-# write into it (damage) changes a file's size or mtime, and it is read again. Rank 0 alone uses this (the commit
-# thread of a background save too, hence the lock).
+# What this process has learned about each checkpoint, valid while it is unchanged (its store's `fingerprint`: a
+# local checkpoint's files' sizes and mtimes, a remote one's commit): its commit order, and whether it verified. A
+# checkpoint is read once per process, not at every save's retention; a write into it (damage) changes a file's size
+# or mtime, and it is read again. Rank 0 alone uses this (the commit thread of a background save too, hence the lock).
 _KNOWN: dict[str, dict[str, Any]] = {}
 _KNOWN_LOCK = threading.Lock()
 
 
-def _fingerprint(path: Path) -> tuple:
-    entries = [path] if not path.is_dir() else sorted(p for p in path.iterdir())
-    out = []
-    for entry in entries:
-        st = entry.stat()
-        out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
-
-
-def _known(path: Path, fact: str, learn) -> Any:
+def _known(path: Target, fact: str, learn, storage_options: Optional[dict] = None) -> Any:
     key = str(path)
     try:
-        fingerprint = _fingerprint(path)
+        fingerprint = store_for(path, storage_options).fingerprint(path)
     except OSError:
         return learn(path)  # it went away while we looked: nothing worth remembering
     with _KNOWN_LOCK:
@@ -86,79 +73,65 @@ def _known(path: Path, fact: str, learn) -> Any:
     return value
 
 
-def _read_commit_order(path: Path) -> Optional[int]:
-    try:
-        if path.is_dir():
-            record = json.loads((path / CHECKSUMS_FILENAME).read_bytes())
-        else:
-            with zipfile.ZipFile(path) as archive:
-                names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == ZIP_CHECKSUMS_RECORD]
-                if len(names) != 1:
-                    return None
-                record = json.loads(archive.read(names[0]))
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError):  # none, or unreadable
-        return None
-    return commit_order_value(record)
-
-
-def commit_order_of(path: Union[str, Path]) -> Optional[int]:
+def commit_order_of(path: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[int]:
     """The commit order ``path`` records (:mod:`~lightning_fsdp.checkpoint.formats.commit_order`), None when it
     records none (a checkpoint written before lightning-fsdp recorded it, or one whose record is unreadable)."""
-    return _known(Path(path), "commit_order", _read_commit_order)
+    store = store_for(path, storage_options)
+    return _known(store.target(path), "commit_order", store.commit_order, storage_options)
 
 
-def step_checkpoints(directory: Union[str, Path]) -> list[Path]:
-    """The committed checkpoints in ``directory`` whose names end in a step number, in the order they were
-    committed, oldest first (:func:`~lightning_fsdp.checkpoint.formats.commit_order.order_key`: step order for
-    checkpoints that record no commit order, and before those that do).
+def step_checkpoints(directory: Union[str, Path], storage_options: Optional[dict] = None) -> list[Target]:
+    """The committed checkpoints in ``directory`` (a folder, or a URL) whose names end in a step number, in the
+    order they were committed, oldest first (:func:`~lightning_fsdp.checkpoint.formats.commit_order.order_key`: step
+    order for checkpoints that record no commit order, and before those that do).
 
-    Hidden entries are left out: they are staging copies of saves in flight or killed, and backups (:mod:`~lightning_fsdp.checkpoint.io.atomic`).
-    Only the on-disk format is checked here (cheap); contents are verified by :func:`verification_failure`.
+    Only committed checkpoints are listed (:meth:`~lightning_fsdp.checkpoint.io.store.Store.checkpoints_in`): no
+    staging copy of a save in flight or killed, no backup, no object of a save without its commit.
+    Only the format is checked here (cheap); contents are verified by :func:`verification_failure`.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
+    store = store_for(directory, storage_options)
     found = []
-    for entry in directory.iterdir():
-        step = step_of(entry)
-        if entry.name.startswith(".") or step is None:
+    for name, entry, _ in store.checkpoints_in(store.target(directory)):
+        step = step_of(name)
+        if step is None:
             continue
-        if is_sharded_checkpoint(entry) or is_full_checkpoint(entry):
-            found.append((order_key(step, commit_order_of(entry), entry.name), entry))
+        found.append((order_key(step, commit_order_of(entry, storage_options), name), entry))
     return [entry for _, entry in sorted(found, key=lambda item: item[0])]
 
 
-def _verify(path: Path) -> Optional[BaseException]:
-    try:
-        verify_checkpoint(path)  # False (no checksums, an old checkpoint) still loads: the load notes it
-    except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is damaged, and named
-        return err
-    return None
-
-
-def verification_failure(path: Union[str, Path]) -> Optional[BaseException]:
+def verification_failure(path: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[BaseException]:
     """None when the checkpoint at ``path`` passes verification (every checksum), else the error that says why
-    not. Reads the checkpoint in full the first time this process asks (and again once its files change)."""
-    return _known(Path(path), "failure", _verify)
+    not. Reads the checkpoint in full the first time this process asks (and again once it changes)."""
+    store = store_for(path, storage_options)
+
+    def verify(target: Target) -> Optional[BaseException]:
+        try:
+            store.verify(target)  # False (no checksums, an old checkpoint) still loads: the load notes it
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is damaged, and named
+            return err
+        return None
+
+    return _known(store.target(path), "failure", verify, storage_options)
 
 
-def trust(path: Union[str, Path]) -> None:
-    """Record that the checkpoint at ``path``, as its files are now, is good without reading it back: for the
+def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> None:
+    """Record that the checkpoint at ``path``, as it is now, is good without reading it back: for the
     checkpoint this process has just committed (it was verified as it was written), so that retention right after
     its commit does not read it again."""
-    path = Path(path)
+    store = store_for(path, storage_options)
+    target = store.target(path)
     try:
-        fingerprint = _fingerprint(path)
+        fingerprint = store.fingerprint(target)
     except OSError:
         return
     with _KNOWN_LOCK:
-        facts = _KNOWN.get(str(path))
+        facts = _KNOWN.get(str(target))
         if facts is None or facts["fingerprint"] != fingerprint:
-            facts = _KNOWN[str(path)] = {"fingerprint": fingerprint}
+            facts = _KNOWN[str(target)] = {"fingerprint": fingerprint}
         facts["failure"] = None
 
 
-def newest_good_checkpoint(directory: Union[str, Path]) -> Optional[Path]:
+def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[Target]:
     """The checkpoint committed last in ``directory`` that passes verification (every checksum), or None when there
     is none.
 
@@ -166,8 +139,8 @@ def newest_good_checkpoint(directory: Union[str, Path]) -> Optional[Path]:
     checkpoint in full (once per process), so call it on one rank and broadcast the answer (:func:`resolve_latest`
     does).
     """
-    for candidate in reversed(step_checkpoints(directory)):
-        err = verification_failure(candidate)
+    for candidate in reversed(step_checkpoints(directory, storage_options)):
+        err = verification_failure(candidate, storage_options)
         if err is not None:
             warnings.warn(
                 f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}: {err})."
@@ -179,20 +152,28 @@ def newest_good_checkpoint(directory: Union[str, Path]) -> Optional[Path]:
     return None
 
 
-def resolve_latest(path: Union[str, Path], comm) -> Path:
+def resolve_latest(path: Union[str, Path], comm, storage_options: Optional[dict] = None) -> Target:
     """``path`` itself, unless it is ``<dir>/latest`` and no such entry exists: then the newest good checkpoint in
     ``<dir>``, found by rank 0 and broadcast, so every rank loads the same one. Raises ``FileNotFoundError`` on
-    every rank when ``<dir>`` holds none."""
-    path = Path(path)
-    if path.name != LATEST or path.exists() or path.is_symlink():
+    every rank when ``<dir>`` holds none. ``<dir>`` may be a URL: its commits decide."""
+    store = store_for(path, storage_options)
+    path = store.target(path)
+    if store.name(path) != LATEST:
         return path
-    found = newest_good_checkpoint(path.parent) if comm.global_rank == 0 else None
-    found = comm.broadcast(None if found is None else str(found))
+    directory = store.parent(path)
+
+    def find() -> Optional[str]:
+        if store.exists(path):
+            return str(path)
+        found = newest_good_checkpoint(directory, storage_options)
+        return None if found is None else str(found)
+
+    found = comm.broadcast(find() if comm.global_rank == 0 else None)
     if found is None:
         raise FileNotFoundError(
-            f"No complete checkpoint to resume from in {str(path.parent)!r} (asked for {str(path)!r}): it holds no"
+            f"No complete checkpoint to resume from in {str(directory)!r} (asked for {str(path)!r}): it holds no"
             " checkpoint whose name ends in a step number, or none passes verification. HINT: save into that"
             " directory with step numbers in the names, like `fabric.save(f'{dir}/step-{step:08d}', state)`, or start"
             " from scratch when nothing is there yet (`StepCheckpoints.resume` returns None then)."
         )
-    return Path(found)
+    return store.target(found)

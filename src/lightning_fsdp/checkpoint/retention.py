@@ -21,10 +21,10 @@ its files are unchanged), and the checkpoint just committed is not read back (:f
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional, Union
 
+from lightning_fsdp.checkpoint.io.store import Target, store_for
 from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, verification_failure
 
 __all__ = ["check_retention", "to_delete", "prune"]
@@ -39,7 +39,8 @@ def check_retention(keep_last: Optional[int], keep_every: Optional[int]) -> None
             )
 
 
-def to_delete(directory: Union[str, Path], keep_last: Optional[int], keep_every: Optional[int] = None) -> list[Path]:
+def to_delete(directory: Union[str, Path], keep_last: Optional[int], keep_every: Optional[int] = None,
+              storage_options: Optional[dict] = None) -> list[Target]:
     """The committed step checkpoints in ``directory`` that retention would delete now, oldest (by commit) first.
 
     Walking back from the newest commit, everything is kept until ``keep_last`` good checkpoints have been seen;
@@ -47,24 +48,24 @@ def to_delete(directory: Union[str, Path], keep_last: Optional[int], keep_every:
     check_retention(keep_last, keep_every)
     if keep_last is None:
         return []
-    committed = step_checkpoints(directory)
+    committed = step_checkpoints(directory, storage_options)
     kept, good = set(), 0
     for path in reversed(committed):
         if good >= keep_last:
             break
         kept.add(path)
-        good += verification_failure(path) is None
+        good += verification_failure(path, storage_options) is None
     if keep_every is not None:
         kept |= {p for p in committed if step_of(p) % keep_every == 0}  # type: ignore[operator]
     return [p for p in committed if p not in kept]
 
 
-def prune(directory: Union[str, Path], keep_last: Optional[int], keep_every: Optional[int] = None) -> list[Path]:
-    """Delete what :func:`to_delete` names (call it on one rank, after a commit). Returns the deleted paths."""
-    doomed = to_delete(directory, keep_last, keep_every)
+def prune(directory: Union[str, Path], keep_last: Optional[int], keep_every: Optional[int] = None,
+          storage_options: Optional[dict] = None) -> list[Target]:
+    """Delete what :func:`to_delete` names (call it on one rank, after a commit), through the store that keeps
+    ``directory`` (a URL's commit object goes first). Returns the deleted paths."""
+    store = store_for(directory, storage_options)
+    doomed = to_delete(directory, keep_last, keep_every, storage_options)
     for path in doomed:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        store.remove(path)
     return doomed

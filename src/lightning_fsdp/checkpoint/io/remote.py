@@ -34,8 +34,10 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch.distributed as dist
 import xxhash
 
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, commit_order_value, next_commit_order
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
-from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, split_url
+from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
@@ -48,11 +50,6 @@ _ATTEMPTS = 4  # our own retries of a transient failure, on top of the filesyste
 _BACKOFF_S = 0.25
 _TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "RequestTimeout", "reset by peer",
               "Connection", "timed out", "Timeout")
-
-
-def commit_order_key() -> int:
-    """The key that ranks commits (newest last), recorded in COMMIT by the save."""
-    return time.time_ns()
 
 
 class FsspecStore:
@@ -75,6 +72,28 @@ class FsspecStore:
 
     def display(self, path: Any) -> str:
         return str(path)
+
+    def name(self, path: Any) -> str:
+        return _leaf(str(path))
+
+    def parent(self, path: Any) -> str:
+        return parent(self.target(path))
+
+    def child(self, directory: Any, name: str) -> str:
+        return join(self.target(directory), name)
+
+    def fingerprint(self, path: Any) -> tuple:
+        """The save its COMMIT names: a new save there is a new token (one GET)."""
+        record = self.read_commit(self.target(path))
+        return () if record is None else (record["token"], record.get(COMMIT_ORDER_KEY))
+
+    def commit_order(self, path: Any) -> Optional[int]:
+        return commit_order_value(self.read_commit(self.target(path)))
+
+    def verify(self, path: Any) -> bool:
+        """Fetch the committed objects (checked against COMMIT) and run the local verification on them."""
+        with self.open_committed(path, _Alone()) as local:
+            return verify_checkpoint(local)
 
     def staging(self, target: Any, token: str, rank: int) -> Path:
         root = Path(tempfile.gettempdir()) / f"lightning-fsdp-{token}-r{rank}"
@@ -165,7 +184,7 @@ class FsspecStore:
 
     def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str) -> None:
         record = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "token": token, "kind": kind,
-                  "name": basename(target), "objects": objects, "order": commit_order_key(), "time": time.time()}
+                  "name": basename(target), "objects": objects, COMMIT_ORDER_KEY: next_commit_order(), "time": time.time()}
         payload = json.dumps(record, sort_keys=True).encode()
         url = join(target, COMMIT_NAME)
         self._retrying(target, "committing", lambda: self._put_commit(url, payload))
@@ -381,6 +400,21 @@ def clean(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[st
     target = store.target(url)
     record = store.read_commit(target)
     return clean_target(store.fs, target, keep=None if record is None else record["token"])
+
+
+class _Alone:
+    """The collectives of one process (``verify`` runs on one rank, like every check of ``latest``)."""
+
+    global_rank = 0
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def agree(self, error: Any) -> Any:
+        return None if error is None else (0, error)
 
 
 def _leaf(listed: str) -> str:

@@ -16,12 +16,17 @@ The integrity checks run on what ``open_committed`` gives, so they are the same 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Union
 
-from lightning_fsdp.checkpoint.formats.layout import is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, is_full_checkpoint, is_sharded_checkpoint
+from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
+from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.io import atomic, in_flight
 from lightning_fsdp.checkpoint.io.urls import check_storage_options, is_url, local_path
@@ -64,6 +69,22 @@ class Store(Protocol):
         """The committed checkpoints directly in ``directory``: (name, path, what the commit recorded)."""
 
     def display(self, path: Target) -> str: ...
+
+    def name(self, path: Target) -> str:
+        """The last component of ``path``."""
+
+    def parent(self, path: Target) -> Target: ...
+
+    def child(self, directory: Target, name: str) -> Target: ...
+
+    def fingerprint(self, path: Target) -> tuple:
+        """What changes when the checkpoint at ``path`` changes (what is learnt about it stays valid until then)."""
+
+    def commit_order(self, path: Target) -> Optional[int]:
+        """The commit order the checkpoint records (:mod:`~lightning_fsdp.checkpoint.formats.commit_order`)."""
+
+    def verify(self, path: Target) -> bool:
+        """Check the committed checkpoint at ``path`` against its checksums (False: it records none)."""
 
 
 class LocalStore:
@@ -133,6 +154,43 @@ class LocalStore:
 
     def display(self, path: Target) -> str:
         return str(path)
+
+    def name(self, path: Target) -> str:
+        return Path(path).name
+
+    def parent(self, path: Target) -> Path:
+        return Path(path).parent
+
+    def child(self, directory: Target, name: str) -> Path:
+        return Path(directory) / name
+
+    def fingerprint(self, path: Target) -> tuple:
+        path = Path(path)
+        entries = [path] if not path.is_dir() else sorted(p for p in path.iterdir())
+        out = []
+        for entry in entries:
+            st = entry.stat()
+            out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+    def commit_order(self, path: Target) -> Optional[int]:
+        """Read from the record each format writes last: a sharded checkpoint's manifest, a full file's checksums."""
+        path = Path(path)
+        try:
+            if path.is_dir():
+                record = json.loads((path / CHECKSUMS_FILENAME).read_bytes())
+            else:
+                with zipfile.ZipFile(path) as archive:
+                    names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == ZIP_CHECKSUMS_RECORD]
+                    if len(names) != 1:
+                        return None
+                    record = json.loads(archive.read(names[0]))
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError):  # none, or unreadable
+            return None
+        return commit_order_value(record)
+
+    def verify(self, path: Target) -> bool:
+        return verify_checkpoint(Path(path))
 
 
 _LOCAL = LocalStore()
