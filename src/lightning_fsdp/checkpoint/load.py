@@ -42,7 +42,7 @@ from lightning_fsdp.checkpoint.integrity.digests import note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
-from lightning_fsdp.checkpoint.io.store import is_url, store_for
+from lightning_fsdp.checkpoint.io.store import store_for
 from lightning_fsdp.checkpoint.latest import resolve_latest
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 from lightning_fsdp.engine.full_state_load import has_own_load_hooks, load_full_from_rank0
@@ -66,8 +66,7 @@ def load_checkpoint(
     others as a ``CollectiveFailure``, like everywhere else.
     """
     with comm.guard(f"loading the checkpoint {str(path)!r}"):
-        # `<dir>/latest`: the newest good step checkpoint there (TODO(h4): through the store, once latest.py is free)
-        path = path if is_url(path) else resolve_latest(path, comm)
+        path = resolve_latest(path, comm, storage_options)  # `<dir>/latest`: the newest good step checkpoint there
         with store_for(path, storage_options).open_committed(path, comm) as source:
             return _load(source, state, strict, weights_only, comm)
 
