@@ -48,20 +48,20 @@ def _sides(model):
     return module.wte, module.head
 
 
-def _one_parameter(model, what: str) -> tuple:
+def _one_parameter(model, what: str, split_dim: int = 0) -> tuple:
     embedding, head = _sides(model)
     assert head.weight is embedding.weight, f"{what}: the tied weight is two parameters"
     assert isinstance(head.weight, DTensor), f"{what}: the tied weight is not a DTensor"
     names = [n for n, p in getattr(model, "module", model).named_parameters() if p is head.weight]
     assert len(names) == 1, f"{what}: named_parameters lists the tied weight {len(names)} times: {names}"
     placements = tuple(head.weight.placements)
-    assert placements[-1] == Shard(0), f"{what}: the tied weight is not split by vocabulary rows over tp: {placements}"
+    assert placements[-1] == Shard(split_dim), f"{what}: the tied weight is not split on dim {split_dim} over tp: {placements}"
     return placements
 
 
-def _train_and_compare(build, policy, plan, label: str) -> dict:
+def _train_and_compare(build, policy, plan, label: str, split_dim: int = 0) -> dict:
     _, model, opt, losses, _ = fabric_train(build, policy, plan)
-    placements = _one_parameter(model, label)
+    placements = _one_parameter(model, label, split_dim)
     assert sum(1 for group in opt.param_groups for p in group["params"] if p is _sides(model)[1].weight) == 1
     ref, ref_losses, _ = reference(build, 3)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (label, losses, ref_losses)
@@ -82,11 +82,13 @@ def tied_hugging_face_llama_with_an_explicit_plan_keeps_one_parameter_and_matche
 
 @case
 def tied_gpt_head_with_explicit_plans_keeps_one_parameter_and_matches_one_process():
-    """The head alone (``colwise_rep``), the embedding alone (``embedding_rowwise``), and both, with the blocks."""
+    """The head alone (``colwise_rep``), the embedding alone (``embedding_rowwise``), and both, with the blocks;
+    and the head alone split by its input columns (``rowwise_rep``: the embedding gets ``embedding_colwise``)."""
     out = {}
-    for label, extra in (("head", {"head": "colwise_rep"}), ("embedding", {"wte": "embedding_rowwise"}),
-                         ("both", {"wte": "embedding_rowwise", "head": "colwise_rep"})):
-        out[label] = _train_and_compare(TiedGPT, {Block}, {**PLAN, **extra}, f"tied gpt {label}")
+    for label, extra, dim in (("head", {"head": "colwise_rep"}, 0), ("embedding", {"wte": "embedding_rowwise"}, 0),
+                              ("both", {"wte": "embedding_rowwise", "head": "colwise_rep"}, 0),
+                              ("head by columns", {"head": "rowwise_rep"}, 1)):
+        out[label] = _train_and_compare(TiedGPT, {Block}, {**PLAN, **extra}, f"tied gpt {label}", dim)
     return out
 
 
