@@ -19,6 +19,7 @@ CASES = [
     "consecutive_async_saves_with_training_between_each_load_their_own_state",
     "uneven_shapes_and_views_in_a_full_checkpoint_read_back_exactly",
     "uneven_shapes_convert_exactly_from_a_sharded_checkpoint",
+    "never_stepped_parameters_load_as_no_state_and_training_matches",
 ]
 
 

@@ -19,6 +19,7 @@ TWO_RANK_CASES = [
     "compiled_model_checkpoint_has_clean_keys",
     "uneven_shapes_full_checkpoint_reads_back_exactly",
     "full_ckpt_gathers_one_tensor_at_a_time",
+    "a_head_that_never_stepped_resumes_strictly_and_exactly",
 ]
 ONE_RANK_CASES = [
     "sharded_checkpoint_from_2_ranks_resumes_on_1",

@@ -376,5 +376,45 @@ def uneven_shapes_full_checkpoint_reads_back_exactly():
     return report
 
 
+class _LitPooler(LitGPT):
+    """A head trained from the second epoch on only: the first epoch's checkpoint holds no optimizer state for it."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if not hasattr(self, "pooler"):
+            torch.manual_seed(1)
+            self.pooler = torch.nn.Linear(32, 32)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        if self.current_epoch >= 1:
+            loss = loss + self.pooler(logits).square().mean()
+        return loss
+
+
+@case
+def a_head_that_never_stepped_resumes_strictly_and_exactly():
+    """Issue 37 item 4 on the Trainer front, both layouts: resuming (strict, Lightning's default) from a checkpoint
+    whose optimizer never stepped the pooler was refused ("missing from the checkpoint: 2 ('pooler.bias',
+    'pooler.weight')"); now it loads with no state for the pooler, and the epoch that trains it matches the unbroken
+    run bit for bit (a zero state with a step count of 1 would not)."""
+    report = {}
+    for kind in ("sharded", "full"):
+        dirpath = _dir(f"pooler_{kind}")
+        straight = _LitPooler(optimizer="adamw")
+        make_trainer(strategy(state_dict_type=kind), enable_checkpointing=True,
+                     callbacks=[_checkpointing(dirpath)]).fit(straight, loader())
+        resumed = _LitPooler(optimizer="adamw")
+        trainer = make_trainer(strategy(state_dict_type=kind))
+        trainer.fit(resumed, loader(), ckpt_path=dirpath / "epoch=0.ckpt")
+        assert trainer.global_step == 8, trainer.global_step
+        report[kind] = {
+            "model": compare_params(gathered(resumed.model), gathered(straight.model), atol=0.0),
+            "pooler": compare_params(gathered(resumed.pooler), gathered(straight.pooler), atol=0.0),
+        }
+    return report
+
+
 if __name__ == "__main__":
     run_cases()

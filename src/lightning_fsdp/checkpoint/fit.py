@@ -6,8 +6,12 @@ waited in the next broadcast), and a shape mismatch in a full load surfaced as a
 state-dict API. Here every load compares the checkpoint's names and shapes with the live objects' before any tensor
 moves, on every rank from the same tables, so the same error is raised everywhere:
 
-- ``strict=True``: the model's keys and the checkpoint's must be the same set, and the optimizer's parameter names
-  and the checkpoint's too; the error lists the first few on each side.
+- ``strict=True``: the model's keys and the checkpoint's must be the same set; the error lists the first few on each
+  side. The optimizer's parameters must be the checkpoint optimizer's: state for a parameter the optimizer lacks is
+  unexpected, and a parameter is missing only when the checkpoint does not know it at all, neither state nor a place
+  in its param groups (the optimizer that saved it did not have it). A parameter the checkpoint lists without state
+  never had a gradient there (an unused pooler, a validation-only head): that is no mismatch, and it loads as "no
+  state", as ``optimizer.load_state_dict`` does (:func:`never_stepped`).
 - Any ``strict``: a tensor present on both sides must have the same (global) shape; ``strict=False`` skips keys,
   never reshapes.
 """
@@ -20,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Shapes", "model_shapes", "checkpoint_shapes", "optimizer_names", "saved_state_names", "sharded_tables", "check_fit"]
+__all__ = ["Shapes", "model_shapes", "checkpoint_shapes", "optimizer_names", "saved_state_names", "listed_names",
+           "never_stepped", "sharded_tables", "check_fit"]
 
 # A tensor's name -> its global shape; None for a non-tensor entry (it has a name but no shape).
 Shapes = dict[str, Optional[tuple[int, ...]]]
@@ -39,6 +44,17 @@ checkpoint_shapes = model_shapes  # a full checkpoint's entry is a plain state d
 def saved_state_names(state: Mapping[str, Any]) -> set[str]:
     """The parameter names a full checkpoint's optimizer entry (keyed by names) holds state for."""
     return set(state.get("state", {}))
+
+
+def listed_names(state: Mapping[str, Any]) -> set[str]:
+    """The parameter names an optimizer state dict keyed by names lists in its param groups (with or without state)."""
+    return {p for group in state.get("param_groups", []) for p in group.get("params", []) if isinstance(p, str)}
+
+
+def never_stepped(saved: set[str], listed: set[str]) -> set[str]:
+    """The parameters a checkpoint's optimizer had but never stepped (listed in its param groups, with no state):
+    they load as no state at all, not as the zero state the state-dict API would give them."""
+    return listed - saved
 
 
 def optimizer_names(state: Mapping[str, Any]) -> set[str]:
@@ -65,12 +81,14 @@ def sharded_tables(entries: Mapping[str, Any], prefix: str, optimizer: bool) -> 
 def check_fit(
     source: Path,
     models: Mapping[str, tuple[Shapes, Shapes]],
-    optimizers: Mapping[str, tuple[Mapping[str, Any], set[str]]],
+    optimizers: Mapping[str, tuple[Mapping[str, Any], set[str], Optional[set[str]]]],
     strict: bool,
 ) -> None:
     """Raise if the checkpoint at ``source`` does not fit. ``models`` maps each state key to (the model's table, the
     checkpoint's); ``optimizers`` to (the optimizer's state dict keyed by names, the parameter names the checkpoint
-    holds optimizer state for)."""
+    holds optimizer state for, the names its param groups list). The last is None where it is not known yet (a
+    sharded checkpoint keeps it in an entry read with the tensors): the check for missing parameters then waits for
+    the second call, once it is read."""
     for key, (live, saved) in models.items():
         for name in sorted(live.keys() & saved.keys()):
             if live[name] is not None and saved[name] is not None and live[name] != saved[name]:
@@ -83,12 +101,13 @@ def check_fit(
         return
     for key, (live, saved) in models.items():
         _check_names(source, key, "model", set(live) - set(saved), set(saved) - set(live))
-    for key, (live_state, saved) in optimizers.items():
-        # State for a parameter the optimizer does not have is unexpected; a parameter whose state the optimizer
-        # holds (every parameter, before the first step) but the checkpoint lacks is missing. A parameter that has
-        # no state on either side (it never had a gradient) is no mismatch.
-        _check_names(source, key, "optimizer", set(live_state.get("state", {})) - saved,
-                     saved - optimizer_names(live_state))
+    for key, (live_state, saved, listed) in optimizers.items():
+        # State for a parameter the optimizer does not have is unexpected. A parameter of the optimizer that the
+        # checkpoint neither holds state for nor lists is missing. One it lists without state never had a gradient
+        # when it was saved: whatever the live optimizer holds for it (the state-dict API gives every parameter a
+        # zero state before the first step), it loads as none, like `optimizer.load_state_dict`.
+        live = optimizer_names(live_state)
+        _check_names(source, key, "optimizer", set() if listed is None else live - saved - listed, saved - live)
 
 
 def _check_names(source: Path, key: str, what: str, missing: set[str], unexpected: set[str]) -> None:

@@ -173,22 +173,56 @@ def _load_sharded(
     # DCP itself would ignore entries the checkpoint has and the model lacks, even under `strict`.
     models = {k: (fit.model_shapes(tensors[where[k]]), fit.sharded_tables(entries, where[k] + ".", False))
               for k in split.models if where[k] in tensors}
-    optimizers = {k: (tensors[where[k]], fit.sharded_tables(entries, where[k] + ".", True))
+    # The parameter names the checkpoint's param groups list are read with the tensors: missing ones are checked then.
+    optimizers = {k: (tensors[where[k]], fit.sharded_tables(entries, where[k] + ".", True), None)
                   for k in split.optimizers if where[k] in tensors}
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
+    live = {k: fit.optimizer_names(v[0]) for k, v in optimizers.items()}  # before the read replaces the groups
+    for key, (request, saved, _) in optimizers.items():
+        # Only the state the checkpoint holds is read; the parameters it has none for get none (see below).
+        request["state"] = {name: value for name, value in request.get("state", {}).items() if name in saved}
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
     # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads.
     reader = VerifyingReader(source, allow_pickle=not weights_only)
     together(comm, f"Reading the shards of {str(source)!r}",
              lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
+    # Every rank read the same param groups, so every rank reaches the same answer.
+    optimizers = {k: ({"param_groups": [{"params": sorted(live[k])}]}, saved, fit.listed_names(tensors[where[k]]))
+                  for k, (_, saved, _) in optimizers.items()}
+    together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, {}, optimizers, strict))
     options = StateDictOptions(strict=strict)
     for key, module in split.models.items():
         if where[key] in tensors:
             set_model_state_dict(module, tensors[where[key]], options=options)
     for key, optimizer in split.optimizers.items():
         if where[key] in tensors:
-            set_optimizer_state_dict(split.owners[key], optimizer, tensors[where[key]], options=options)
+            _, saved, listed = optimizers[key]
+            _set_optimizer_state(split.owners[key], optimizer, tensors[where[key]], fit.never_stepped(saved, listed),
+                                 StateDictOptions(strict=False))
     return _restore_metadata(state, split, metadata)
+
+
+def _set_optimizer_state(
+    owner: Module, optimizer: Optimizer, loaded: dict[str, Any], unstepped: set[str], options: StateDictOptions
+) -> None:
+    """Load ``loaded`` into ``optimizer``, leaving the parameters named in ``unstepped`` with no state at all, as
+    ``optimizer.load_state_dict`` leaves those its state dict holds nothing for.
+
+    The state-dict API gives every parameter a state before it loads (a zero-gradient step), so a parameter that
+    never had a gradient when the checkpoint was saved would come out with a zero state and a step count of 1: the
+    first step it takes would then differ from the run that saved it. ``strict`` is checked before (:mod:`.fit`), so
+    torch's own check, which counts those parameters as missing (and on rank 0 alone for a full load), is off.
+    """
+    set_optimizer_state_dict(owner, optimizer, loaded, options=options)
+    if not unstepped:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = _param_names(owner, optimizer)
+    if len(names) != len(params):  # one name per parameter, in the optimizer's order (see `_param_names`)
+        raise RuntimeError(f"the optimizer lists {len(params)} parameters and the state-dict API names {len(names)}")
+    for name, param in zip(names, params):
+        if name in unstepped:
+            optimizer.state.pop(param, None)
 
 
 def _load_full(
@@ -230,7 +264,8 @@ def _load_full(
                     entry = fqn_keyed_optimizer_state(entry, _param_names(split.owners[key], split.optimizers[key]))
                 entries[key] = entry
         used = set(split.models) | set(split.optimizers) | checkpoint_keys_used(mapping)
-        tables = {k: fit.checkpoint_shapes(v) if k in split.models else fit.saved_state_names(v) for k, v in entries.items()}
+        tables = {k: fit.checkpoint_shapes(v) if k in split.models else (fit.saved_state_names(v), fit.listed_names(v))
+                  for k, v in entries.items()}
         return list(entries), {k: v for k, v in contents.items() if k not in used}, tables
 
     # Errors on rank 0 (e.g. an optimizer state that does not fit the optimizer) must reach every rank, or the
@@ -244,10 +279,12 @@ def _load_full(
     # itself, after its hooks, in `load_full_from_rank0`: on every rank alike, since every rank loads the same entries.
     models = {k: (fit.model_shapes(get_model_state_dict(m)), tables[k]) for k, m in split.models.items()
               if k in found and not has_own_load_hooks(m)}
-    optimizers = {k: (get_optimizer_state_dict(split.owners[k], o), tables[k])
+    optimizers = {k: (get_optimizer_state_dict(split.owners[k], o), *tables[k])
                   for k, o in split.optimizers.items() if k in found}
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    # `strict` is checked above (`fit`); torch's own optimizer check would count never-stepped parameters as missing.
+    optimizer_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     check = verifiers[0].check if verifiers else lambda tensor: None
     for key, module in split.models.items():
         if key in found:
@@ -257,7 +294,8 @@ def _load_full(
             load_full_from_rank0(module, full, strict=strict)
     for key, optimizer in split.optimizers.items():
         if key in found:
-            set_optimizer_state_dict(split.owners[key], optimizer, entries.get(key, {}), options=options)
+            _set_optimizer_state(split.owners[key], optimizer, entries.get(key, {}), fit.never_stepped(*tables[key]),
+                                 optimizer_options)
     # A mismatch found while broadcasting raises here, on every rank, before the load returns. The damaged values
     # have been broadcast by then (stopping rank 0 alone mid-broadcast would hang the others).
     together(comm, f"Verifying {str(source)!r}", lambda: verifiers[0].finish() if verifiers else None)
