@@ -67,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _fail(str(err), 2)
     except OSError as err:
         if "HINT:" in str(err):  # a store's error: it names the URL and the fix already
-            return _fail(_said(err), 1)
+            return _fail(_said(err), getattr(err, "cli_status", 1))
         return _fail(f"{err}. HINT: check that SRC is readable and that DST's directory is writable and has free"
                      " space, then run the command again.", 1)
     except KeyboardInterrupt:
@@ -204,9 +204,9 @@ def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
         opened = store_for(path, options).open_committed(path, _OneProcess())
         local = opened.__enter__()
     except FileNotFoundError as err:
-        if err.errno is None:
-            raise
-        raise UsageError(_said(err)) from err  # no checkpoint at that URL: input the user can fix, as for a path
+        if err.errno is not None:  # no checkpoint at that URL (the store's message names it and the fix): input the
+            err.cli_status = 2  # type: ignore[attr-defined]  # user can fix, status 2 as for a missing path
+        raise
     try:
         yield str(local)
     except BaseException:

@@ -21,23 +21,28 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_fsdp.checkpoint.hf import LoadReport, is_hf_checkpoint, load_pretrained_weights
+from lightning_fsdp.checkpoint.io.urls import check_storage_options
 
 __all__ = ["load_pretrained", "LoadReport"]
 
 T = TypeVar("T")
 
 
-def load_pretrained(module: Module, path: Union[str, Path], *, strict: bool = True) -> LoadReport:
+def load_pretrained(module: Module, path: Union[str, Path], *, strict: bool = True,
+                    storage_options: Optional[dict[str, Any]] = None) -> LoadReport:
     """Load Hugging Face safetensors weights into ``module`` (sharded or not) on every rank, in place.
 
     Args:
         module: the model whose state-dict names match the files, e.g. the ``LlamaForCausalLM`` itself, not the
             LightningModule that holds it as ``self.model`` (whose names start with ``model.``).
         path: a ``.safetensors`` file, or a directory (as ``save_pretrained`` writes it) with
-            ``model.safetensors.index.json`` or ``model.safetensors``.
+            ``model.safetensors.index.json`` or ``model.safetensors``; either may be a URL (``s3://bucket/llama``,
+            ``gs://``, ``az://``), read by byte ranges, each rank only the rows of its own shards.
         strict: raise (on every rank) when a weight of the model is not in the files or a tensor of the files is
             not in the model. With ``strict=False`` they are reported as a warning on rank 0 and the missing
             weights keep their initial values, as with ``from_pretrained``.
+        storage_options: for a URL, keyword arguments of its fsspec filesystem (e.g. ``{"endpoint_url": ...}``);
+            by default the endpoint and credentials come from the environment (for S3: ``AWS_ENDPOINT_URL``, ...).
 
     Every rank reads only the slices of its own shards, converting precision within a dtype's kind (a bf16 file
     into fp32 parameters). Tied weights (``lm_head`` sharing the embedding) load from whichever name the files hold.
@@ -52,14 +57,15 @@ def load_pretrained(module: Module, path: Union[str, Path], *, strict: bool = Tr
             f"`load_pretrained(module=...)` expects a torch.nn.Module, got {type(module).__name__}. HINT: pass the"
             " model the weights belong to, e.g. `load_pretrained(self.model, path)`."
         )
-    if not is_hf_checkpoint(path):
+    storage_options = check_storage_options(storage_options)
+    if not is_hf_checkpoint(path, storage_options):
         raise ValueError(
             f"`load_pretrained(path={str(path)!r})` is not Hugging Face safetensors weights. Allowed: a"
             " '.safetensors' file, or a directory with 'model.safetensors.index.json' or 'model.safetensors'."
             " HINT: pass the directory `save_pretrained` wrote; for a lightning-fsdp checkpoint use `fabric.load`"
             " or the Trainer's `ckpt_path`."
         )
-    return load_pretrained_weights(path, module, strict=strict, comm=_DefaultGroup())
+    return load_pretrained_weights(path, module, strict=strict, comm=_DefaultGroup(), storage_options=storage_options)
 
 
 class _DefaultGroup:

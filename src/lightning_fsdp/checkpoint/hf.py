@@ -2,7 +2,9 @@
 
 The usual start of a fine-tune: build the model on the meta device, shard it, then read the pretrained weights.
 The source is one ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (several files)
-or a single ``model.safetensors``.
+or a single ``model.safetensors``; either may be a URL (``s3://bucket/llama``, any fsspec protocol), read through
+fsspec by byte ranges: the headers, then each rank's rows of each tensor, several ranges in flight at once. The
+same checks run on the same bytes as for local files.
 
 Each rank reads only the slices of its own shards, through DCP with torch's Hugging Face storage reader: DCP plans
 which slice of which file lands in which local shard, and the reader copies each slice into place, converting the
@@ -28,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,8 +42,9 @@ from torch.futures import Future
 from torch.nn import Module
 
 from lightning_fsdp.checkpoint.formats import hf_checks
-from lightning_fsdp.checkpoint.formats.safetensors_stream import DTYPE_NAMES
+from lightning_fsdp.checkpoint.formats.safetensors_stream import DTYPE_NAMES, RangedFile
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
+from lightning_fsdp.checkpoint.io.urls import filesystem, is_url, join
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
 
@@ -77,16 +80,25 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def is_hf_checkpoint(path: Union[str, Path]) -> bool:
-    """A ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` or ``model.safetensors``."""
+def is_hf_checkpoint(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None) -> bool:
+    """A ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` or ``model.safetensors``; at a
+    URL, the same objects."""
+    if is_url(path):
+        fs, url = filesystem(str(path), storage_options), str(path).rstrip("/")
+        if url.endswith(_SUFFIX):
+            return fs.isfile(url)
+        return fs.isfile(join(url, INDEX_FILENAME)) or fs.isfile(join(url, SINGLE_FILENAME))
     path = Path(path)
     if path.is_file():
         return path.suffix == _SUFFIX
     return path.is_dir() and ((path / INDEX_FILENAME).is_file() or (path / SINGLE_FILENAME).is_file())
 
 
-def safetensors_files(path: Union[str, Path]) -> list[Path]:
-    """The files of a safetensors checkpoint: the file itself, those its index names, or ``model.safetensors``."""
+def safetensors_files(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None) -> list[Any]:
+    """The files of a safetensors checkpoint: the file itself, those its index names, or ``model.safetensors``
+    (URLs for a checkpoint at a URL)."""
+    if is_url(path):
+        return _url_files(str(path).rstrip("/"), filesystem(str(path), storage_options))
     path = Path(path)
     if path.is_file():
         return [path]
@@ -112,16 +124,55 @@ def safetensors_files(path: Union[str, Path]) -> list[Path]:
     return files
 
 
-def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: bool, comm: Communicator) -> LoadReport:
+def _url_files(url: str, fs: Any) -> list[str]:
+    """:func:`safetensors_files` at a URL. An index entry must be a plain relative name of a ``.safetensors`` object
+    under the URL (no scheme, no leading ``/``, no ``..``), as ``save_pretrained`` writes them."""
+    if url.endswith(_SUFFIX):
+        return [url]
+    index = join(url, INDEX_FILENAME)
+    if not fs.isfile(index):
+        return [join(url, SINGLE_FILENAME)]
+    try:
+        weight_map = json.loads(fs.cat_file(index))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{index!r} is not a safetensors index (expected JSON with a 'weight_map' of tensor name to file name):"
+            f" {err}. HINT: re-create it with `save_pretrained`, or delete it to load {SINGLE_FILENAME}."
+        ) from err
+    names = sorted({str(name) for name in weight_map.values()})
+    bad = [n for n in names if not isinstance(n, str) or not n.endswith(_SUFFIX) or n.startswith("/") or "://" in n
+           or ".." in n.split("/")]
+    if bad:
+        raise ValueError(
+            f"the index {index!r} names objects outside {url!r} or not safetensors files: {bad[:5]}. Allowed: a"
+            f" '{_SUFFIX}' name relative to the checkpoint URL that stays under it. HINT: name the files by their"
+            " plain file names in 'weight_map', as `save_pretrained` writes them."
+        )
+    files = [join(url, n) for n in names]
+    absent = [f for f in files if not fs.isfile(f)]
+    if absent:
+        raise FileNotFoundError(f"the index {index!r} names objects that are not there: {absent}. HINT: the upload"
+                                " is incomplete; upload the missing files.")
+    return files
+
+
+def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: bool, comm: Communicator,
+                            storage_options: Optional[dict[str, Any]] = None) -> LoadReport:
     """Read the safetensors weights at ``path`` into ``module`` (sharded or not), each rank its own slices.
 
     Returns the :class:`LoadReport` on every rank. Raises on every rank alike when a file cannot be read, a shape
     differs, chunks do not tile a weight, a dtype is of another kind, or (``strict=True``) a name is missing or
     unexpected. Every check runs before the first weight is read, so a refused load leaves the model as it was.
     """
-    source = Path(comm.broadcast(str(path)))
-    files = together(comm, f"Finding the safetensors files of {str(source)!r}", lambda: safetensors_files(source))
-    reader = _SafetensorsReader(files, progress=comm.global_rank == 0)
+    source: Any = comm.broadcast(str(path))
+    fs = filesystem(source, storage_options) if is_url(source) else None
+    source = source.rstrip("/") if fs is not None else Path(source)
+    files = together(comm, f"Finding the safetensors files of {str(source)!r}",
+                     lambda: safetensors_files(source, storage_options))
+    reader = _SafetensorsReader(files, progress=comm.global_rank == 0) if fs is None else \
+        _RangedReader(files, progress=comm.global_rank == 0, fs=fs)
     # Every rank reads the headers itself (a few kB each), so every rank can plan its own reads.
     metadata: Metadata = together(comm, f"Reading the safetensors headers of {str(source)!r}", reader.read_metadata)
     state = get_model_state_dict(module)
@@ -209,6 +260,96 @@ class _SafetensorsReader(HuggingFaceStorageReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+@dataclass(frozen=True)
+class _RangedInfo:
+    """Where a stored tensor is (what ``read_data`` needs of ``Metadata.storage_data``)."""
+
+    relative_path: str
+
+
+class _RangedReader(_SafetensorsReader):
+    """The same reader for files at a URL, read through fsspec by byte ranges (:class:`RangedFile`): every rank
+    reads the headers, then only the rows of each tensor that its shards need, ``_RANGES_IN_FLIGHT`` bytes of
+    ranges at a time in one ``cat_ranges`` call (s3fs sends them concurrently). The metadata is built as torch's
+    reader builds it from local files, with the same checks before it."""
+
+    def __init__(self, files: list[str], *, progress: bool, fs: Any) -> None:
+        HuggingFaceStorageReader.__init__(self, files[0].rsplit("/", 1)[0])
+        self._files, self._remote_fs, self._progress = files, fs, progress
+        self._opened: dict[str, RangedFile] = {}
+        self.placed = set()
+        self.holders = defaultdict(dict)
+
+    def read_metadata(self) -> Metadata:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
+        )
+
+        stored: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, _RangedInfo] = {}
+        for url in self._files:
+            with _header_of(url):
+                file = self._opened[url] = RangedFile(self._remote_fs, url)
+            shapes = {key: list(entry[1]) for key, entry in file.entries.items()}
+            hf_checks.check_sharding_info(url, file.header_metadata, shapes)
+            info = (file.header_metadata or {}).get(hf_checks.SHARDING_INFO_KEY)
+            if info:
+                self.placed.add(url)
+            offsets_of = json.loads(info) if info else {}
+            for key, (dtype, shape, _, _) in file.entries.items():
+                self.holders[key][url] = dtype
+                offset = list(offsets_of[key]["saved_offsets"]) if key in offsets_of else [0] * len(shape)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(shape))
+                if key not in stored:
+                    stored[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), chunks=[chunk],
+                                                        size=torch.Size([s + o for s, o in zip(shape, offset)]))
+                else:
+                    stored[key].chunks.append(chunk)
+                    stored[key].size = torch.Size([max(a, s + o) for a, s, o in zip(stored[key].size, shape, offset)])
+                storage[MetadataIndex(fqn=key, offset=offset)] = _RangedInfo(relative_path=url)
+        metadata = Metadata(state_dict_metadata=stored, storage_data=storage)  # type: ignore[arg-type]
+        metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        batch: list[tuple[Any, RangedFile, tuple[slice, ...], int, int]] = []
+        held = 0
+        for item in plan.items:
+            file = self._opened[self.storage_data[item.storage_index].relative_path]
+            region = tuple(slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths))
+            start, end = file.row_range(item.storage_index.fqn, region)
+            batch.append((item, file, region, start, end))
+            held += end - start
+            if held >= _RANGES_IN_FLIGHT:
+                self._read(batch, planner)
+                batch, held = [], 0
+        self._read(batch, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, batch: list, planner: Any) -> None:
+        if not batch:
+            return
+        datas = self._remote_fs.cat_ranges([file.url for _, file, _, _, _ in batch], [b[3] for b in batch],
+                                           [b[4] for b in batch], on_error="return")
+        for (item, file, region, start, end), data in zip(batch, datas):
+            if isinstance(data, BaseException) or len(data) != end - start:
+                why = data if isinstance(data, BaseException) else f"{len(data)} bytes of {end - start}"
+                raise unreadable(file.url, OSError(f"bytes {start}-{end} could not be read ({why})"))
+            piece = file.piece(item.storage_index.fqn, region, data)
+            target = planner.resolve_tensor(item).detach()
+            if target.shape != piece.shape:
+                raise RuntimeError(f"internal error: {item.storage_index.fqn!r} read {list(piece.shape)} from"
+                                   f" {file.url!r} for a slice of {list(target.shape)}")
+            target.copy_(piece)
+            planner.commit_tensor(item, target)
+
+
+_RANGES_IN_FLIGHT = 64 * 2**20  # bytes of ranges requested together (s3fs keeps them in flight concurrently)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Writing a safetensors file one tensor at a time, so an export holds about one tensor, never the whole model.
+"""Writing a safetensors file one tensor at a time, so an export holds about one tensor, never the whole model; and
+reading one on any fsspec filesystem by byte ranges (:class:`RangedFile`: the header, then only the rows asked for).
 
 The format puts everything a reader needs to know before the data: 8 bytes (little-endian) giving the header's
 length, the header (JSON: ``"__metadata__"`` and, per tensor, its dtype, shape and ``data_offsets`` into the data
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["SafetensorsItem", "header_bytes", "ordered", "write_file", "DTYPE_NAMES"]
+__all__ = ["SafetensorsItem", "header_bytes", "ordered", "write_file", "DTYPE_NAMES", "RangedFile"]
 
 # safetensors' dtype names, widest first in the order its writer sorts them (descending `Dtype` enum order).
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -106,3 +107,82 @@ def _write_tensor(file, tensor: torch.Tensor) -> None:
     # A contiguous tensor is written from its own memory (no copy); a strided view is copied once, alone.
     flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     file.write(memoryview(flat.numpy()))
+
+
+# ------------------------------------------------------------------------------------------- reading by ranges
+
+
+class RangedFile:
+    """A safetensors file on any fsspec filesystem (``fs``), read by byte ranges: the 8-byte length and the header
+    once, then only the rows of each tensor a reader asks for (:meth:`row_range`, :meth:`piece`).
+
+    The header is checked as the safetensors library checks a local file before it reads a byte of data: a length
+    that fits the file, a JSON object, every tensor a known dtype with a shape whose size matches its offsets, and
+    the offsets tiling the data exactly (no gap, no overlap, nothing after the last). A ``ValueError`` says which.
+    """
+
+    def __init__(self, fs, url: str) -> None:
+        self.url = url
+        size = fs.size(url)
+        if size < _HEADER_SIZE.size:
+            raise _bad_header(f"the file has {size} bytes, fewer than the 8 of a safetensors header length")
+        (length,) = _HEADER_SIZE.unpack(fs.cat_file(url, start=0, end=_HEADER_SIZE.size))
+        if _HEADER_SIZE.size + length > size:
+            raise _bad_header(f"its header length {length} runs past the end of the file ({size} bytes)")
+        header = json.loads(fs.cat_file(url, start=_HEADER_SIZE.size, end=_HEADER_SIZE.size + length))
+        if not isinstance(header, dict):
+            raise _bad_header("its header is not a JSON object")
+        self.data_start = _HEADER_SIZE.size + length
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            raise _bad_header("its '__metadata__' is not a mapping of strings to strings")
+        self.header_metadata: Optional[dict[str, str]] = meta
+        names = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, entry in header.items():
+            try:
+                dtype, shape, (start, end) = names[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+            except (KeyError, TypeError, ValueError) as err:
+                raise _bad_header(f"the header entry of {key!r} is not a dtype known to torch, a shape and two data"
+                                 f" offsets ({err!r})") from err
+            if not all(isinstance(d, int) and d >= 0 for d in shape) or not 0 <= start <= end:
+                raise _bad_header(f"the header entry of {key!r} has a bad shape {list(shape)} or offsets"
+                                 f" {[start, end]}")
+            if end - start != SafetensorsItem(key, shape, dtype).nbytes:
+                raise _bad_header(f"{key!r} spans {end - start} bytes, but its shape and dtype need"
+                                 f" {SafetensorsItem(key, shape, dtype).nbytes}")
+            self.entries[key] = (dtype, shape, start, end)
+        at = 0
+        for dtype, shape, start, end in sorted(self.entries.values(), key=lambda e: (e[2], e[3])):
+            if start != at:
+                raise _bad_header(f"its tensors' data offsets do not tile the data (a {'gap' if start > at else 'overlap'}"
+                                 f" at byte {at})")
+            at = end
+        if self.data_start + at != size:
+            raise _bad_header(f"its tensors end at byte {self.data_start + at}, but the file has {size} bytes")
+
+    def row_range(self, key: str, region: tuple[slice, ...]) -> tuple[int, int]:
+        """The bytes ``[start, end)`` of the file that hold ``region`` of ``key``: its rows along dim 0, whole."""
+        dtype, shape, start, end = self.entries[key]
+        if not shape:
+            return self.data_start + start, self.data_start + end
+        row = SafetensorsItem(key, shape[1:], dtype).nbytes
+        first, stop = region[0].start or 0, shape[0] if region[0].stop is None else region[0].stop
+        return self.data_start + start + first * row, self.data_start + start + stop * row
+
+    def piece(self, key: str, region: tuple[slice, ...], data: bytes) -> torch.Tensor:
+        """``region`` of ``key`` from ``data``, the bytes :meth:`row_range` named."""
+        dtype, shape, _, _ = self.entries[key]
+        if not shape:
+            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(())
+        rows = (region[0].stop if region[0].stop is not None else shape[0]) - (region[0].start or 0)
+        if rows * SafetensorsItem(key, shape[1:], dtype).nbytes == 0:
+            return torch.empty((rows, *shape[1:]), dtype=dtype)[(slice(None), *region[1:])]
+        flat = torch.frombuffer(bytearray(data), dtype=dtype)
+        return flat.reshape(rows, *shape[1:])[(slice(None), *region[1:])]
+
+
+def _bad_header(problem: str) -> ValueError:
+    """The error for a safetensors file whose header does not hold; the reader names the file (``unreadable``)."""
+    return ValueError(f"{problem}. HINT: the file is damaged or is not a safetensors file; upload it again, or"
+                      " re-create it with `save_pretrained`.")
