@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from launch import launch
+from launch import launch, torchrun, worker_env
 
 CASES = [
     "sharded_save_and_load_in_a_bucket_are_exact",
@@ -22,27 +22,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def s3_env():
-    pytest.importorskip("moto.server")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket="ckpt")
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.stop()
+def s3_env(s3_server):
+    """The session's S3 server (``tests/s3server.py``), a fresh bucket of this module's for the workers."""
+    return {**s3_server.env, "LFSDP_TEST_BUCKET": s3_server.bucket()}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +35,38 @@ def results(s3_env, tmp_path_factory):
 @pytest.mark.parametrize("name", CASES)
 def test_two_ranks_against_s3(results, name):
     results.check(name)
+
+
+@pytest.mark.parametrize("mode", ["new", "over"])
+def test_a_rank_killed_mid_upload_leaves_the_previous_step_loadable_exactly(s3_server, tmp_path, mode):
+    """Rank 1 dies half-way through uploading its shard, saving step 2 to a new path or over step 1: step 1 stays
+    committed and whole (never a mix of two saves), `latest` finds it, and it holds step 1's weights exactly."""
+    import subprocess
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+    from lightning_fsdp.checkpoint.io.store import store_for
+    from lightning_fsdp.checkpoint.latest import newest_good_checkpoint
+
+    directory = f"s3://{s3_server.bucket()}/run"
+    out = tmp_path / "out"
+    env = worker_env(out, **s3_server.env, LFSDP_KILL_DIR=directory, LFSDP_KILL_MODE=mode)
+    proc = subprocess.run(torchrun("object_storage_kill.py", 2), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "the save returned" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert (out / "killed.rank1").is_file(), proc.stderr[-3000:]  # rank 1 died with a request cut off mid-body
+    options = {"endpoint_url": s3_server.endpoint, "key": "testing", "secret": "testing"}
+    store = store_for(directory, options)
+    listed = store.fs.find(directory)
+    found = newest_good_checkpoint(directory, options)
+    assert found == f"{directory}/step-00000001", (found, listed)
+    with store.open_committed(found, _Alone()) as local:
+        assert verify_checkpoint(local)
+        dcp_to_torch_save(local, tmp_path / "step1_loaded.pt")
+    loaded = torch.load(tmp_path / "step1_loaded.pt", weights_only=False)["model"]
+    expected = torch.load(out / "step1.pt")
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
 # ------------------------------------------------------------------------------------------- memory://, one process
