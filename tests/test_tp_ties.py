@@ -69,7 +69,8 @@ def test_sequence_parallel_from_a_string_plan_is_refused_naming_the_style_the_mo
     with pytest.raises(ValueError) as err:
         FSDPStrategy(tensor_parallel_size=2, tensor_parallel_plan=plan)
     message = str(err.value)
-    for needle in ("'sequence_parallel'", "'blocks.*.ln1'", "shape error", "HINT: Leave 'blocks.*.ln1' out of the plan"):
+    for needle in ("'sequence_parallel'", "'blocks.*.ln1'", "shape error",
+                   "HINT: Leave 'blocks.*.ln1' out of the plan"):
         assert needle in message, f"{needle!r} not in {message}"
     assert "'sequence_parallel'" not in message.split("Allowed:")[1].split("HINT:")[0], message
 

@@ -241,19 +241,19 @@ def settle_ties(module: nn.Module, plan: dict[str, ParallelStyle], ties: list[li
     ``ValueError`` (before any weight moves) for a tie whose sides the plan splits differently, or one that no
     style can complete. What a style does to a parameter is read from a dry run of the style on a meta-device copy
     of the module, so torch's own styles and the user's are judged alike."""
-    plan = dict(plan)
+    written, plan = plan, dict(plan)  # errors show the plan as written, without the styles added here
     for slots in ties:
         placed = {_label(s): _placement_under(module, s, plan, tp_mesh) for s in slots}
         split = {label: p for label, p in placed.items() if p is not None}
         if not split or _UNKNOWN in split.values():
             continue  # untouched, or a style the dry run cannot follow: `_retie` checks what it did
         if len(set(split.values())) > 1:
-            raise ValueError(_tie_error(slots, plan, "splits the sides of a tie differently: " + ", ".join(
+            raise ValueError(_tie_error(slots, written, "splits the sides of a tie differently: " + ", ".join(
                 f"{label} as {_shown(p)}" for label, p in split.items())))
         target = next(iter(split.values()))
         for slot in slots:
             if placed[_label(slot)] is None:
-                plan[slot[0]] = _completing_style(slot, target, slots, plan, tp_mesh)
+                plan[slot[0]] = _completing_style(slot, target, slots, written, tp_mesh)
     return plan
 
 
@@ -262,6 +262,10 @@ _UNKNOWN = ("unknown",)
 
 def _label(slot: Slot) -> str:
     return f"{slot[0]}.{slot[2]}" if slot[0] else slot[2]
+
+
+def _joined(labels: list[str]) -> str:
+    return " and ".join([", ".join(labels[:-1]), labels[-1]]) if len(labels) > 1 else labels[0]
 
 
 def _shown(placements: tuple) -> str:
@@ -326,7 +330,7 @@ def _completing_style(slot: Slot, target: tuple, slots: list[Slot], plan: dict[s
 
 
 def _tie_error(slots: list[Slot], plan: dict[str, ParallelStyle], problem: str) -> str:
-    labels = [_label(s) for s in slots]
+    labels = _joined([_label(s) for s in slots])
     planned = {s[0]: _style_name(s[1], plan[s[0]]) for s in slots if s[0] in plan}
     return bad_argument(
         "tensor_parallel_plan", planned, "a plan that splits a tied parameter the same way on every side"
@@ -335,7 +339,7 @@ def _tie_error(slots: list[Slot], plan: dict[str, ParallelStyle], problem: str) 
         f"Give every side of the tie a style that splits it the same way, or leave every side out of the plan, e.g."
         f" `{{{', '.join(f'{s[0]!r}: ...' for s in slots)}}}` with matching styles; or untie the weights"
         " (`tie_word_embeddings=False` on a Hugging Face config) if they are meant to train apart.",
-        problem=f"{' and '.join(labels)} are one tied parameter, and the plan {problem}",
+        problem=f"{labels} are one tied parameter, and the plan {problem}",
     )
 
 
@@ -355,7 +359,7 @@ def _retie(ties: list[list[Slot]], plan: Union[dict[str, ParallelStyle], Callabl
             raise ValueError(bad_argument(
                 "tensor_parallel_plan", shown_plan, "a plan that splits a tied parameter the same way on every side",
                 "Split every side of the tie with styles that give it the same placements, or none of them.",
-                problem=f"{' and '.join(_label(s) for s in slots)} are one tied parameter, but after the plan ran"
+                problem=f"{_joined([_label(s) for s in slots])} are one tied parameter, but after the plan ran"
                 f" they are {len(set(map(id, current)))} ({shown}), which would train apart",
             ))
         for _, owner, attr in slots:
