@@ -12,6 +12,12 @@ import pytest
 
 import forkserver
 import launch
+import skips
+
+
+def pytest_configure(config):
+    """Every skip listed with its reason, and one not about the installed versions fails the run (tests/skips.py)."""
+    config.pluginmanager.register(skips.SkipRule(), "lfsdp-skip-rule")
 
 
 # The ids of the tests this session collected but will not run (`-k`, `--deselect`), and, once collection is done, of
@@ -133,8 +139,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture()
 def tmpfs(tmp_path):
-    """Mount a tmpfs at a fresh directory: ``tmpfs(size, read_only=False)`` returns it; unmounted afterwards. A test
-    that needs one is skipped, saying why, where this machine refuses the mount (it needs root)."""
+    """Mount a tmpfs at a fresh directory: ``tmpfs(size, read_only=False)`` returns it; unmounted afterwards. Where
+    this machine refuses the mount (it needs root; CI runs as root) the test is skipped, saying why, and that skip
+    fails the run (tests/skips.py): a disk-full or read-only test never passes by not running."""
     mounted = []
 
     def make(size: str, read_only: bool = False) -> Path:

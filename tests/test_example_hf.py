@@ -4,12 +4,11 @@ fine-tune, an export that `from_pretrained` reads back as exactly the fine-tuned
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import forkserver
 from launch import script_env
+from skips import require
 
-pytest.importorskip("transformers")
+require("transformers")  # a required test extra: where it is missing, this file fails, not skips
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,10 +1,9 @@
 """Hugging Face safetensors into sharded models and back out (see ``workers/hf.py``), two ranks, one launch."""
 
-import pytest
+from launch import case_tests
+from skips import require
 
-pytest.importorskip("transformers")
-
-from launch import case_tests  # noqa: E402
+require("transformers")  # a required test extra: where it is missing, this file fails, not skips
 
 CASES = [
     "single_file_loads_exactly_and_generates_the_same",

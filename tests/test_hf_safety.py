@@ -1,11 +1,10 @@
 """Hugging Face safetensors loads that cannot be exact are refused (see ``workers/hf_safety.py``), two ranks, one
 launch."""
 
-import pytest
+from launch import case_tests
+from skips import require
 
-pytest.importorskip("safetensors")
-
-from launch import case_tests  # noqa: E402
+require("safetensors")  # a dependency of the package: where it is missing, this file fails, not skips
 
 CASES = [
     "a_weight_that_chunks_cover_only_in_part_is_refused",
