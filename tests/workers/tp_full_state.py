@@ -26,7 +26,7 @@ from tp_training import BATCH, WORLD, Lit, Tokens, adamw, dp_rank, loss_of, toke
 
 def _placements() -> list[tuple[tuple[int, ...], tuple[Any, ...]]]:
     """(mesh shape, placements) pairs: what FSDP over TP gives a column-split weight, a row-split weight, a
-    replicated one, hybrid sharding's replica axis, and the (1, 4) layout."""
+    replicated one, hybrid sharding's replica axis (with and without TP), and the (1, 4) layout."""
     return [
         ((2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
         ((2, 2), (Shard(0), Shard(1))),
@@ -35,6 +35,8 @@ def _placements() -> list[tuple[tuple[int, ...], tuple[Any, ...]]]:
         ((2, 2), (Shard(1), Shard(0))),
         ((1, 4), (_StridedShard(0, split_factor=4), Shard(0))),
         ((1, 4), (Shard(0), Shard(1))),
+        ((2, 1, 2), (Replicate(), Shard(0), Shard(0))),  # HYBRID_SHARD with TP: (replicate, shard, tp)
+        ((1, 2, 2), (Replicate(), _StridedShard(0, split_factor=2), Shard(0))),
         ((4,), (Shard(0),)),
         ((4,), (Replicate(),)),
     ]
