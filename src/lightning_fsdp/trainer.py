@@ -113,7 +113,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     LightningModule that holds parameters outside them (``self.model``, or ``self.generator`` and
     ``self.discriminator``). Those are root units that gather their parameters in their own forward, so the steps
     must call them, not only their children (or name the children in ``auto_wrap_policy``); a parameter that belongs
-    to the LightningModule itself is refused with a hint.
+    to the LightningModule itself is refused with a hint, and so are two top-level models that share a module or a
+    tied parameter (``encoder.embed is decoder.embed``): two roots cannot hold one parameter, so hold both in one
+    module whose forward calls them (``self.model``), which becomes the one root over both, as under Fabric.
 
     In YAML (LightningCLI), write the policies as lists of dotted class names (``activation_checkpointing_policy``
     also as a mapping with ``blocks``, ``every`` and ``save_ops``), ``reshard_after_forward`` as a bool, an int or a

@@ -155,6 +155,9 @@ def shard_model(
     new_roots = [r for r in roots if not isinstance(r, FSDPModule) and id(r) not in unit_ids]
     root_units = [r for r in roots if id(r) in unit_ids]
     reshard = _reshard_choices(module, config, mesh, units, [*new_roots, *root_units])
+    _refuse_ties_across_units(module, units)
+    if harness:
+        _refuse_roots_sharing_parameters(module, roots)
     # Bottom-up: a unit takes the parameters no descendant unit took, so children must go first.
     for unit in [*reversed(units), *new_roots]:
         fully_shard(unit, reshard_after_forward=reshard[id(unit)], **kwargs)
@@ -210,6 +213,62 @@ def harness_roots(module: nn.Module, extra_units: Sequence[nn.Module] = ()) -> l
 
     visit(module, "")
     return roots
+
+
+def _refuse_roots_sharing_parameters(module: nn.Module, roots: list[nn.Module]) -> None:
+    """Two root units of a harness may not share a parameter: a module both hold (``encoder.embed is
+    decoder.embed``) or one tied tensor (``decoder.head.weight is encoder.embed.weight``). Each root would claim it,
+    and torch fails at setup or at the first forward in its own words ("Cannot concatenate overlapping meshes", "FSDP
+    state has already been lazily initialized"). One root over both needs one forward that calls both, which a
+    harness does not have (``training_step`` is not a forward): refused, naming the shared module and the fix."""
+    names = {id(m): n for n, m in module.named_modules()}
+    held: dict[int, tuple[nn.Module, str]] = {}  # parameter id -> (first root, its name there)
+    for root in roots:
+        for name, param in root.named_parameters(remove_duplicate=False):
+            first, first_name = held.setdefault(id(param), (root, name))
+            if first is root:
+                continue
+            here = f"{names[id(root)]}.{name}"
+            there = f"{names[id(first)]}.{first_name}"
+            owner, other = here.rsplit(".", 1)[0], there.rsplit(".", 1)[0]
+            whole = module.get_submodule(owner) is module.get_submodule(other) and here.rsplit(".", 1)[1] == \
+                there.rsplit(".", 1)[1]
+            what = f"the module `{other}` is `{owner}`" if whole else f"the parameter `{there}` is `{here}`"
+            raise ValueError(
+                f"The top-level models `{names[id(first)]}` and `{names[id(root)]}` share parameters ({what}). Each"
+                " top-level model of a LightningModule becomes an FSDP root unit, and two roots cannot hold one"
+                " parameter. HINT: hold both in one module whose forward calls them, and call that from"
+                f" `training_step`, e.g. `self.model = EncoderDecoder(self.{names[id(first)]}, self.{names[id(root)]})`"
+                f" with `def forward(self, x): return self.{names[id(root)]}(self.{names[id(first)]}(x))`; it becomes"
+                " the one root over both, as a model set up with Fabric is."
+            )
+
+
+def _refuse_ties_across_units(module: nn.Module, units: list[nn.Module]) -> None:
+    """A parameter held by modules in two different policy units (or in one unit and outside it) would be taken by
+    the first unit sharded, and the other holder would keep the old tensor: the tie silently gone. Refused, naming
+    both places and the fix."""
+    unit_ids = {id(u) for u in units}
+    seen: dict[int, tuple[Optional[int], str]] = {}
+
+    def visit(parent: nn.Module, prefix: str, unit: Optional[int]) -> None:
+        unit = id(parent) if id(parent) in unit_ids else unit
+        for name, param in parent._parameters.items():
+            if param is None:
+                continue
+            first_unit, first_name = seen.setdefault(id(param), (unit, f"{prefix}{name}"))
+            if first_unit != unit:
+                raise ValueError(
+                    f"`{first_name}` and `{prefix}{name}` are one parameter, and `auto_wrap_policy` puts them in"
+                    " different FSDP units (or one in a unit and one outside), which cannot share it. HINT: choose"
+                    " units that hold every use of a tied parameter, or none: e.g. keep the class of"
+                    f" `{prefix.rstrip('.') or first_name.rsplit('.', 1)[0]}` out of `auto_wrap_policy`."
+                )
+        for name, child in parent._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.", unit)
+
+    visit(module, "", None)
 
 
 def remap_optimizer(optimizer: Optimizer, owners: list[ParameterOwners], models: Sequence[nn.Module]) -> None:
