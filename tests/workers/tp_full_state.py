@@ -111,7 +111,7 @@ def full_checkpoint_with_optimizer_round_trips_on_2x2_and_1x4():
         stepped = _full_state(fresh, fresh_opt)
         diff = max((stepped[k] - after[k]).abs().max().item() for k in after)
         assert diff <= 1e-6, f"tp={tp}: the step after the load differs by {diff}"
-        out[f"1x4" if tp == 4 else "2x2"] = {"entries": len(saved), "step_diff": diff}
+        out["1x4" if tp == 4 else "2x2"] = {"entries": len(saved), "step_diff": diff}
     return out
 
 

@@ -27,13 +27,13 @@ A parameter that several modules share (tied embeddings and head) stays one para
 
 from __future__ import annotations
 
-import re
 import copy
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from difflib import get_close_matches
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "STYLES", "TP_AXIS", "TensorParallel", "parse_tensor_parallel", "resolve_plan", "apply_tensor_parallel",
-    "same_across_tensor_parallel",
+    "same_across_tensor_parallel", "find_ties", "settle_ties",
 ]
 
 TP_AXIS = "tp"
