@@ -403,7 +403,7 @@ def test_readme_fabric_snippet_runs_as_python_train_py(tmp_path):
 
 
 # A GPU model named in the docs (H100, A100, L40S, MI300X, RTX 4090): a claim that something ran there.
-GPU_MODEL = re.compile(r"\b(?:[ABHLV]\d{2,3}S?|MI\d{3}X?|RTX ?\d{4})\b")
+GPU_MODEL = re.compile(r"\b(?:[AH]100|H200|H20|A10G?|A30|A40|GB?200|B100|L4|L40S?|V100|T4|MI\d{3}X?|RTX ?\d{4})\b")
 NO_GPU_RUN = "no run is recorded yet"
 
 
@@ -432,3 +432,4 @@ def test_gpu_sentences_are_the_gpu_record():
     assert gpu_claims_against("passes on one H100", [dict(run, checks={"a": "fail"})], "t") != []
     assert gpu_claims_against("passes on one H100", [run], "t") == []
     assert gpu_claims_against("no run is\nrecorded yet", [run], "t") != []
+    assert GPU_MODEL.findall("README.md-L37, bf16, A100 and L40S") == ["A100", "L40S"]
