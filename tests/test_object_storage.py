@@ -244,3 +244,21 @@ def test_a_superseded_checkpoint_at_a_url_is_removed_through_its_store(memory_ur
     store.commit(_stage(store, memory_url, "333333333333", {"a.distcp": b"x"}), memory_url, _Alone())
     AsyncSaves().remove(memory_url)
     assert store.read_commit(memory_url) is None and not store.fs.exists(memory_url)
+
+
+def test_convert_reads_from_and_writes_to_urls(memory_url, tmp_path):
+    """``convert`` from a local full file to a sharded checkpoint at a URL, and from that URL back to a local file."""
+    import torch
+
+    from lightning_fsdp.checkpoint.convert import convert
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    weights = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor([1.0, -2.0, 3.0])}
+    torch.save({"model": weights, "step": 7}, tmp_path / "full.pt")
+    assert convert(tmp_path / "full.pt", memory_url, to="sharded") == memory_url
+    assert store_for(memory_url).read_commit(memory_url)["kind"] == "sharded"
+    convert(memory_url, tmp_path / "back.pt", to="full")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["step"] == 7 and all(torch.equal(back["model"][k], weights[k]) for k in weights)
+    with pytest.raises(Exception, match="already exists.*HINT"):
+        convert(tmp_path / "full.pt", memory_url, to="sharded")

@@ -83,7 +83,7 @@ class PreemptionCallback(Callback):
         if self._preemption.action == "requeue" and trainer.is_global_zero:
             requeue_slurm_job()
         trainer.strategy.barrier()
-        self.saved = Path(path)
+        self.saved = path if "://" in str(path) else Path(path)  # a URL stays a URL (Path would fold "s3://")
         trainer.should_stop = True
 
     def _target(self, trainer: Any) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lightning_fsdp.checkpoint.integrity.zipfiles import verify_zip
-from lightning_fsdp.checkpoint.io import atomic
+from lightning_fsdp.checkpoint.io.store import OneProcess, Target, store_for
 from lightning_fsdp.checkpoint.io.readers import Checkpoint, TensorEntry, UsageError, _reading, open_checkpoint
 from lightning_fsdp.checkpoint.io.writers import (
     SAFETENSORS_FILENAME,
@@ -118,8 +118,10 @@ def convert(
     allow_pickle: bool = False,
     progress: Optional[Progress] = None,
     strip_prefix: Optional[str] = None,
-) -> Path:
-    """Write ``source`` in another format at ``destination``, atomically; returns ``destination``.
+) -> Target:
+    """Write ``source`` in another format at ``destination``, atomically; returns ``destination``. Either may be a
+    URL (``s3://...``): a remote source's committed objects are fetched first, and a remote destination is
+    committed as a save commits (:mod:`~lightning_fsdp.checkpoint.io.store`).
 
     - ``to="full"``: one ``torch.save`` file, the layout a full save writes (``torch.load(weights_only=True)``
       reads it); the entries of ``meta.pt`` go to its top level.
@@ -143,13 +145,19 @@ def convert(
     if max_shard_size is not None and max_shard_size <= 0:
         raise UsageError(f"Invalid max_shard_size={max_shard_size!r}. Allowed: a positive number of bytes."
                          " HINT: e.g. `--max-shard-size 500MB`.")
-    checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(source, allow_pickle=allow_pickle)
-    target = Path(destination)
+    if not isinstance(source, Checkpoint):
+        with store_for(source).local_copy(source) as local:
+            return convert(open_checkpoint(local, allow_pickle=allow_pickle), destination, to=to,
+                           max_shard_size=max_shard_size, model=model, overwrite=overwrite, allow_pickle=allow_pickle,
+                           progress=progress, strip_prefix=strip_prefix)
+    checkpoint = source
+    store = store_for(destination)
+    target = store.target(destination)
     if checkpoint.format == to:
         others = " or ".join(f"`--to {f}`" for f in FORMATS if f != to)
         raise UsageError(f"{str(checkpoint.path)!r} is already a {to} checkpoint, so there is nothing to convert."
                          f" HINT: choose {others}.")
-    _check_destination(checkpoint.path, target, overwrite, to)
+    _check_destination(checkpoint.path, target, overwrite, to, store)
     if checkpoint.format == "full":
         with _reading(checkpoint.path):  # sharded sources are checked as they are read
             verify_zip(checkpoint.path)
@@ -160,32 +168,33 @@ def convert(
     else:
         keys = _export_models(checkpoint, model)
         prefix, _ = export_prefix(checkpoint, model=model, strip_prefix=strip_prefix)
-        single_file = target.suffix == ".safetensors"
+        single_file = str(target).endswith(".safetensors")
         if single_file and max_shard_size is not None:
             raise UsageError(f"Sharded safetensors go into a directory, but DST {str(target)!r} names a file."
-                             f" HINT: pass a directory, e.g. `{target.with_suffix('')}`, or drop --max-shard-size.")
+                             f" HINT: pass a directory, e.g. `{str(target)[:-len('.safetensors')]}`, or drop"
+                             " --max-shard-size.")
         writer = lambda staged: write_safetensors(  # noqa: E731
             checkpoint, keys, staged, single_file=single_file, max_shard_size=max_shard_size, progress=progress,
             strip_prefix=prefix,
         )
-    _write_atomically(target, writer)
+    _write_atomically(target, writer, store)
     return target
 
 
-def _check_destination(source: Path, target: Path, overwrite: bool, to: str) -> None:
-    src, dst = source.resolve(), target.resolve()
+def _check_destination(source: Path, target: Target, overwrite: bool, to: str, store: Any) -> None:
+    src, dst = source.resolve(), Path(target).resolve()  # a URL resolves to no local path: it overlaps nothing
     if dst == src or src in dst.parents or dst in src.parents:
         raise UsageError(f"DST {str(target)!r} overlaps SRC {str(source)!r}, and writing it would destroy the"
                          " source. HINT: choose a DST outside the source checkpoint.")
-    if not (target.exists() or target.is_symlink()):
+    if not store.exists(target):
         return
     if not overwrite:
         raise UsageError(f"DST {str(target)!r} already exists. HINT: pass --overwrite to replace it, or choose"
                          " another DST.")
-    if to == "safetensors" and _is_safetensors_export(target):
+    if to == "safetensors" and _is_safetensors_export(Path(target)):
         return
     try:
-        atomic.check_replaceable(target)  # never replaces what is not a checkpoint (a user's files)
+        store.check_target(target, 0)  # never replaces what is not a checkpoint (a user's files)
     except (IsADirectoryError, FileExistsError) as err:
         raise UsageError(str(err)) from err
 
@@ -198,16 +207,17 @@ def _is_safetensors_export(path: Path) -> bool:
     return bool(names) and all(n.endswith(".safetensors") or n == SAFETENSORS_INDEX_FILENAME for n in names)
 
 
-def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Write into a staging path beside ``target`` and move it into place only when complete."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staged = atomic.staging_path(target, uuid.uuid4().hex[:12])
+def _write_atomically(target: Target, write: Callable[[Path], None], store: Any) -> None:
+    """Write into a staging path (beside a local ``target``) and commit it only when complete."""
+    if not store.exists(target):
+        store.check_target(target, 0)  # creates the folder a local target goes into; a bucket must exist
+    staged = store.staging(target, uuid.uuid4().hex[:12], 0)
     try:
         write(staged)
-        atomic.fsync_tree(staged)
-        atomic.commit(staged, target)
+        store.flush(staged)
+        store.commit(staged, target, OneProcess())
     except BaseException:
-        atomic.discard(staged)
+        store.discard(staged, 0)
         raise
 
 

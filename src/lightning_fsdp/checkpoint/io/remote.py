@@ -37,6 +37,7 @@ import xxhash
 from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, commit_order_value, next_commit_order
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
@@ -92,8 +93,13 @@ class FsspecStore:
 
     def verify(self, path: Any) -> bool:
         """Fetch the committed objects (checked against COMMIT) and run the local verification on them."""
-        with self.open_committed(path, _Alone()) as local:
+        with self.local_copy(path) as local:
             return verify_checkpoint(local)
+
+    @contextlib.contextmanager
+    def local_copy(self, path: Union[str, Path]) -> Iterator[Path]:
+        with self.open_committed(path, OneProcess()) as local:
+            yield local
 
     def staging(self, target: Any, token: str, rank: int) -> Path:
         root = Path(tempfile.gettempdir()) / f"lightning-fsdp-{token}-r{rank}"
@@ -400,21 +406,6 @@ def clean(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[st
     target = store.target(url)
     record = store.read_commit(target)
     return clean_target(store.fs, target, keep=None if record is None else record["token"])
-
-
-class _Alone:
-    """The collectives of one process (``verify`` runs on one rank, like every check of ``latest``)."""
-
-    global_rank = 0
-
-    def barrier(self) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def agree(self, error: Any) -> Any:
-        return None if error is None else (0, error)
 
 
 def _leaf(listed: str) -> str:

@@ -29,9 +29,10 @@ from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.io import atomic, in_flight
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io.urls import check_storage_options, is_url, local_path
 
-__all__ = ["Store", "LocalStore", "store_for", "is_url", "Target"]
+__all__ = ["Store", "LocalStore", "OneProcess", "store_for", "is_url", "Target"]
 
 Target = Union[Path, str]  # a local Path, or a URL string (never a Path: it would fold "s3://" into "s3:/")
 
@@ -85,6 +86,10 @@ class Store(Protocol):
 
     def verify(self, path: Target) -> bool:
         """Check the committed checkpoint at ``path`` against its checksums (False: it records none)."""
+
+    def local_copy(self, path: Union[str, Path]) -> contextlib.AbstractContextManager[Path]:
+        """In this process alone: a local path to read the committed checkpoint at ``path`` from (a local path is
+        itself, as given; a URL's objects are fetched and checked, and removed after the block)."""
 
 
 class LocalStore:
@@ -191,6 +196,10 @@ class LocalStore:
 
     def verify(self, path: Target) -> bool:
         return verify_checkpoint(Path(path))
+
+    @contextlib.contextmanager
+    def local_copy(self, path: Union[str, Path]) -> Iterator[Path]:
+        yield local_path(path)
 
 
 _LOCAL = LocalStore()
