@@ -262,3 +262,18 @@ def test_convert_reads_from_and_writes_to_urls(memory_url, tmp_path):
     assert back["step"] == 7 and all(torch.equal(back["model"][k], weights[k]) for k in weights)
     with pytest.raises(Exception, match="already exists.*HINT"):
         convert(tmp_path / "full.pt", memory_url, to="sharded")
+
+
+def test_missing_credentials_are_one_clear_error_naming_the_fix(s3_server, monkeypatch, tmp_path):
+    """No credentials anywhere (no variables, no config file, no instance metadata) against a real S3 endpoint."""
+    from lightning_fsdp.checkpoint.io.remote import FsspecStore
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    url = f"s3://{s3_server.bucket()}/run/step-1"
+    store = FsspecStore("s3", {"endpoint_url": s3_server.endpoint, "client_kwargs": {"region_name": "us-east-1"}})
+    with pytest.raises(PermissionError, match=f"Access to '{url}' was refused.*HINT.*AWS_ACCESS_KEY_ID"):
+        store.commit(_stage(store, url, "444444444444", {"a.distcp": b"x"}), url, _Alone())
