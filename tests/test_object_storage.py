@@ -18,6 +18,7 @@ CASES = [
     "a_missing_bucket_is_one_clear_error_on_every_rank",
     "step_checkpoints_in_a_bucket_keep_the_last_two_and_latest_loads_the_newest",
     "trainer_model_checkpoint_in_a_bucket_resumes_exactly",
+    "a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps_the_previous_checkpoint",
 ]
 
 
