@@ -42,6 +42,7 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "mfu": ("mfu.py", [], ["--rounds", "1", "--steps", "2"]),  # reports nothing without a CUDA device
     "tensor_parallel": ("tensor_parallel_figures.py", [], ["--size", "tiny", "--rounds", "2", "--steps", "1"]),
     "plan": ("plan_speed.py", [], ["--quick", "--rounds", "1"]),
+    "object_storage": ("object_storage.py", [], ["--rounds", "1", "--layers", "2", "--dim", "96"]),
 }
 
 
