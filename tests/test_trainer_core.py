@@ -21,6 +21,7 @@ CASES = [
     "a_parameter_on_the_lightning_module_itself_is_refused_with_a_hint",
     "collectives_work",
     "fits_one_after_another_share_the_mesh_and_add_no_process_groups",
+    "modules_fitted_one_after_another_are_freed_once_deleted",
 ]
 
 

@@ -369,5 +369,37 @@ def strategies_set_up_one_after_another_share_each_mesh_and_add_no_groups():
     return report
 
 
+@case
+def models_set_up_one_after_another_are_freed_once_deleted():
+    """Issue 37 item 7: a notebook or a sweep sets up model after model with one Fabric and drops each. The engine
+    kept a table per setup that held every module of the model, so all of them stayed in memory; now each model,
+    its optimizer and its parameters are gone once the user's references are (joint and separate setup)."""
+    import gc
+    import weakref
+
+    fabric = make_fabric(WORLD)
+    refs = []
+    for trial in range(3):
+        torch.manual_seed(trial)
+        plain = TinyTransformer()
+        if trial == 1:  # separate setup: the optimizer built before its model was set up, then remapped
+            opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+            model = fabric.setup_module(plain)
+            opt = fabric.setup_optimizers(opt)
+        else:
+            model, opt = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+        fabric.backward(loss_fn(model, make_batch(trial, fabric.global_rank)))
+        opt.step()
+        opt.zero_grad()
+        refs.append({"model": weakref.ref(plain), "optimizer": weakref.ref(opt.optimizer),
+                     "parameter": weakref.ref(next(plain.parameters()))})
+        del plain, model, opt
+    gc.collect()
+    alive = [(trial, what) for trial, trial_refs in enumerate(refs) for what, ref in trial_refs.items()
+             if ref() is not None]
+    assert not alive, f"still alive after `del` and gc.collect(): {alive}"
+    return "freed"
+
+
 if __name__ == "__main__":
     run_cases()

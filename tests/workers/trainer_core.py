@@ -399,5 +399,31 @@ def fits_one_after_another_share_the_mesh_and_add_no_process_groups():
     return {"mesh": tuple(meshes[0].shape), "groups": groups}
 
 
+@case
+def modules_fitted_one_after_another_are_freed_once_deleted():
+    """Issue 37 item 7 on the Trainer front: one Trainer fits module after module (a sweep that reuses its Trainer).
+    The engine kept a table per setup holding every module, so each LightningModule stayed alive as long as the
+    Trainer; now each is gone once the user's references are (the Trainer still alive)."""
+    import gc
+    import weakref
+
+    trainer = None
+    refs = []
+    for _ in range(3):
+        lit = LitGPT()
+        trainer = trainer or make_trainer(strategy(), max_epochs=1)
+        trainer.fit_loop.max_epochs = trainer.current_epoch + 1  # one more epoch with each module
+        trainer.fit(lit, loader())
+        refs.append({"module": weakref.ref(lit), "model": weakref.ref(lit.model),
+                     "parameter": weakref.ref(next(lit.parameters()))})
+        del lit
+    gc.collect()
+    alive = [(trial, what) for trial, trial_refs in enumerate(refs) for what, ref in trial_refs.items()
+             if ref() is not None]
+    # The Trainer's strategy still holds the module it fitted last, until the next fit or teardown.
+    assert {trial for trial, _ in alive} <= {2}, f"still alive after `del` and gc.collect(): {alive}"
+    return {"alive": alive}
+
+
 if __name__ == "__main__":
     run_cases()

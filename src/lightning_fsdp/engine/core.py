@@ -43,7 +43,8 @@ class FSDPEngine:
         self.global_rank = 0
         self.world_size = 1
         self.last_summary = ""
-        self._owners: list[sharding.ParameterOwners] = []
+        # Weak: a notebook or a sweep sets up model after model with one strategy and drops each; the strategy must
+        # not keep them alive. Each model's owner tables live on the model itself (`_owner_tables`).
         self._models = at_rest.ModelSet()
         self._no_sync_depth = 0
 
@@ -82,8 +83,7 @@ class FSDPEngine:
         ``harness=True``: ``module``'s own forward need not run, its code calls submodules (a LightningModule); see
         :func:`lightning_fsdp.engine.sharding.shard_model`.
         """
-        owners = sharding.ParameterOwners(module)
-        self._owners.append(owners)
+        _owner_tables(module).append(sharding.ParameterOwners(module))
         mp_policy = self.config.mixed_precision or mp_policy
         result = sharding.shard_model(module, self.config, self.mesh, self.device, mp_policy, harness=harness)
         self._models.add(module)
@@ -99,7 +99,8 @@ class FSDPEngine:
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Separate setup. An optimizer built before its model was set up is remapped like in joint setup; one that
         holds parameters of no set-up model is refused, since it would train nothing."""
-        sharding.remap_optimizer(optimizer, self._owners, self._models())
+        models = self._models()
+        sharding.remap_optimizer(optimizer, [table for model in models for table in _owner_tables(model)], models)
         at_rest.reshard_before_steps(optimizer, self._models)
         return optimizer
 
@@ -184,6 +185,29 @@ class FSDPEngine:
         with self.guard("broadcast"):
             dist.broadcast_object_list(box, src)
         return box[0]
+
+
+class _OwnerTables(list):
+    """The :class:`~lightning_fsdp.engine.sharding.ParameterOwners` of each setup of one model, kept on the model
+    itself, not in the engine: a table holds the model's modules, so an engine-held table kept every model it ever set
+    up alive. A copy of the model (``copy.deepcopy``, pickling) gets an empty one: its parameters are new objects,
+    which no table of the original names."""
+
+    def __deepcopy__(self, memo: dict) -> "_OwnerTables":
+        return _OwnerTables()
+
+    def __reduce__(self) -> tuple:
+        return _OwnerTables, ()
+
+
+_OWNER_TABLES = "_lightning_fsdp_owner_tables"
+
+
+def _owner_tables(module: Module) -> _OwnerTables:
+    tables = module.__dict__.get(_OWNER_TABLES)
+    if tables is None:
+        tables = module.__dict__[_OWNER_TABLES] = _OwnerTables()
+    return tables
 
 
 def _distributed() -> bool:
