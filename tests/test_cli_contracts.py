@@ -115,6 +115,7 @@ _PLAN_FORMS = {
     "--tensor-parallel-size": ["a divisor of --world-size"],
     "--tensor-parallel-plan": ["'auto'", "JSON", "e.g.", "mypkg.plans:PLAN"],
     "--optimizer": ["adamw", "adam", "sgd"],
+    "--accumulate-grad-batches": ["an integer >= 1"],
     "--memory-budget": ["80GB", "70GiB", "bytes"],
 }
 

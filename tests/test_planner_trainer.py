@@ -7,6 +7,7 @@ step (``workers/trainer_plan_measure.py``) on 1, 2 and 4 ranks. Where the planne
 
 from __future__ import annotations
 
+import json
 import sys
 
 import lightning as L
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from inprocess import run_cli
 from launch import WORKERS, pooled
 from lightning_fsdp.planner import PlanningError, plan_memory
 
@@ -62,10 +64,20 @@ def test_a_module_planned_for_the_trainer_holds_the_gradients_the_fabric_loop_ha
     assert trainer.peak_of(0) >= fabric.peak_of(0) + grads // 2, (trainer.peak_of(0), fabric.peak_of(0), grads)
 
 
-def test_accumulate_grad_batches_raises_the_plan_and_is_checked():
+def test_accumulate_grad_batches_raises_the_plan_and_is_checked(tmp_path):
+    """In Python and on the command line (`--accumulate-grad-batches`), with bad values refused."""
     one = plan_memory(PlannedLit, batch, world_size=2, auto_wrap_policy={Block}).peak_of(0)
     three = plan_memory(PlannedLit, batch, world_size=2, auto_wrap_policy={Block}, accumulate_grad_batches=3)
     assert three.peak_of(0) > one and three.settings["accumulate_grad_batches"] == 3
+    spec = WORKERS / "planned_lit.py"
+    cli = run_cli(["plan", "--model", f"{spec}:PlannedLit", "--inputs", f"{spec}:batch", "--world-size", "2",
+                   "--auto-wrap-policy", "planned_lit.Block", "--accumulate-grad-batches", "3", "--json"], cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    planned = json.loads(cli.stdout)
+    assert planned["peak_bytes"]["0"] == three.peak_of(0) and planned["settings"]["loop"] == "trainer", planned
+    bad = run_cli(["plan", "--model", f"{spec}:PlannedLit", "--inputs", f"{spec}:batch", "--world-size", "2",
+                   "--accumulate-grad-batches", "0"], cwd=tmp_path)
+    assert bad.returncode == 2 and "--accumulate-grad-batches" in bad.stderr, bad.stderr
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="accumulate_grad_batches.*HINT"):
             plan_memory(PlannedLit, batch, world_size=2, accumulate_grad_batches=bad)

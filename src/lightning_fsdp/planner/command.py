@@ -71,7 +71,7 @@ def add_plan_command(commands: Any) -> None:
                            """ of module-name patterns to styles, e.g. '{"blocks.*.mlp.up": "colwise"}', or a dict or"""
                            " callable (module, tp_mesh) named as mypkg.plans:PLAN or path/to/file.py:PLAN")
     plan.add_argument("--accumulate-grad-batches", type=_positive_int, default=1, metavar="N",
-                      help="batches per optimizer step, as Trainer(accumulate_grad_batches=N)")
+                      help="batches per optimizer step, as Trainer(accumulate_grad_batches=N); an integer >= 1")
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
                       help="the optimizer whose states are planned: adamw, adam or sgd (default: adamw)")
     plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
