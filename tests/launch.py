@@ -111,7 +111,11 @@ class Launch:
         of a rank that a fatal signal (a segfault, an abort) ended in it."""
         found = [*self.out.glob(f"{name}.rank*.crash.txt"), *self.out.glob(f"{name}.rank*.stacks.txt")]
         why = {"crash.txt": "a fatal signal in its first run", "stacks.txt": "a stall or a fatal signal"}
-        return "".join(f"\n--- {path.name}: written by faulthandler ({why[path.name.split('.', 2)[-1]]}) ---\n"
+
+        def kind(path: Path) -> str:  # a case's name may hold dots (`docs-guides-huggingface.md-L105`)
+            return why[".".join(path.name.rsplit(".", 2)[-2:])]
+
+        return "".join(f"\n--- {path.name}: written by faulthandler ({kind(path)}) ---\n"
                        f"{path.read_text()[-4000:]}" for path in sorted(found) if path.stat().st_size)
 
     def check(self, name: str) -> list[dict]:
