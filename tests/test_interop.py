@@ -12,6 +12,7 @@ CASES = [
     "fsdp1_fabric_sharded_layout_loads",
     "fsdp1_trainer_full_layout_loads",
     "fsdp1_trainer_sharded_layout_loads",
+    "torchs_fsdp1_trains_on_cpu_gloo",
     "consolidate_function_reads_our_sharded_checkpoint",
     "consolidate_command_reads_our_sharded_checkpoint",
 ]

@@ -5,7 +5,8 @@
   full optimizer state must equal, exactly, what the writer held when it saved. The loading model starts from other
   weights and its optimizer from another learning rate and no state, so a load that skips anything fails.
   - Fabric's and the Trainer's ``ModelParallelStrategy`` (FSDP2) run here on CPU and write real checkpoints.
-  - Lightning's ``FSDPStrategy`` is FSDP1, which refuses CPU, so its four layouts are built here the way its code
+  - Lightning's ``FSDPStrategy`` is FSDP1 and refuses the CPU accelerator (the refusal is Lightning's: torch's FSDP1
+    trains here on gloo, ``torchs_fsdp1_trains_on_cpu_gloo``), so its four layouts are built here the way its code
     writes them (file and line numbers cited at each builder), from a plain model and a plain optimizer.
 - We write, Lightning reads: ``lightning.fabric.utilities.consolidate_checkpoint`` turns our sharded checkpoint into
   one file, as a function and as the command line tool.
@@ -227,7 +228,8 @@ def trainer_model_parallel_full_checkpoint_loads():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Lightning's FSDPStrategy (FSDP1, refuses CPU): its layouts built the way its code writes them.
+# Lightning's FSDPStrategy (FSDP1; Lightning refuses it on CPU, torch does not): its layouts built the way its code
+# writes them.
 #
 # FSDP1 state dicts name parameters by their clean FQNs (FSDP strips its wrapper prefixes). With the default
 # `use_orig_params=True` (fabric/strategies/fsdp.py l. 169, pytorch/strategies/fsdp.py l. 189):
@@ -236,6 +238,39 @@ def trainer_model_parallel_full_checkpoint_loads():
 # - `FSDP.optim_state_dict(model, optim)`: {"state": {fqn: {"step", "exp_avg", ...}}, "param_groups": [{...,
 #   "params": [fqn, ...]}]}, the param groups in the optimizer's order (torch/distributed/fsdp/_optim_utils.py
 #   `_unflatten_param_groups`), full tensors under the FULL context, ShardedTensors under the SHARDED one.
+
+
+@case
+def torchs_fsdp1_trains_on_cpu_gloo():
+    """The CPU refusal is Lightning's `FSDPStrategy`'s (`tests/test_registry.py`), not torch's: torch's own FSDP1,
+    FULL_SHARD on these 2 gloo ranks, holds half the flat parameter on each rank and trains as one process does."""
+    from torch.distributed.fsdp import ShardingStrategy as FSDP1ShardingStrategy
+
+    make_fabric(WORLD)  # the process group
+    torch.manual_seed(0)
+    reference = TinyTransformer()
+    torch.manual_seed(0)
+    model = FSDP(TinyTransformer(), sharding_strategy=FSDP1ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
+    total = sum(p.numel() for p in reference.parameters())
+    local = sum(p.numel() for p in model.parameters())  # this rank's shard of the flat parameter (padded)
+    assert total / WORLD <= local < total / WORLD + WORLD, (local, total)
+    initial = [p.detach().clone() for p in reference.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(STEPS):
+        loss_fn(model, global_batch(step, WORLD).chunk(WORLD)[dist.get_rank()]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_fn(reference, global_batch(step, WORLD)).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    with FSDP.summon_full_params(model):
+        got = [p.detach().clone() for p in model.parameters()]
+    expected = list(reference.parameters())
+    diff = max((a - b).abs().max().item() for a, b in zip(got, expected))
+    moved = max((a - b).abs().max().item() for a, b in zip(expected, initial))
+    assert len(got) == len(expected) and diff < 1e-5 < moved, (diff, moved)
+    return {"shard": local, "parameters": total, "max_diff": diff, "moved": moved}
 
 
 def trained_plain() -> tuple[TinyTransformer, torch.optim.Optimizer]:
