@@ -113,3 +113,34 @@ def test_ranged_reads_fetch_only_the_rows_a_slice_needs(s3):
     start, end = file.row_range("fc.weight", column)
     piece = file.piece("fc.weight", column, fs.cat_file(f"{bucket}/r/model.safetensors", start=start, end=end))
     assert torch.equal(piece, weights["fc.weight"][:, 2:4])
+
+
+class _OneProcess:
+    """What ``load_checkpoint`` needs of a front's engine, in this one process."""
+
+    global_rank = 0
+
+    def guard(self, what):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def barrier(self):
+        pass
+
+    def broadcast(self, obj, src=0):
+        return obj
+
+    def agree(self, error):
+        return None if error is None else (0, error)
+
+
+def test_load_raw_of_safetensors_at_a_url_reads_them_in_place(s3):
+    # `fabric.load_raw(url, model)` is `load_checkpoint(url, model, ...)`: plain safetensors at a URL have no
+    # COMMIT object (no save wrote them), and load all the same.
+    from lightning_fsdp.checkpoint.load import load_checkpoint
+
+    bucket, weights = s3.bucket(), reference()
+    s3.filesystem().pipe_file(f"{bucket}/raw/model.safetensors", safetensors_bytes(weights))
+    assert load_checkpoint(f"s3://{bucket}/raw", model := fresh(), comm=_OneProcess()) == {}
+    assert_exact(model, weights)

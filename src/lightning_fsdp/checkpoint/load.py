@@ -67,6 +67,11 @@ def load_checkpoint(
     """
     with comm.guard(f"loading the checkpoint {str(path)!r}"):
         path = resolve_latest(path, comm, storage_options)  # `<dir>/latest`: the newest good step checkpoint there
+        if isinstance(state, Module) and hf.is_hf_checkpoint(path, storage_options):
+            # Hugging Face weights (`load_raw`), local or at a URL: plain files, read in place (by ranges at a URL),
+            # never through a commit (they were not written by a save).
+            hf.load_pretrained_weights(path, state, strict=strict, comm=comm, storage_options=storage_options)
+            return {}
         with store_for(path, storage_options).open_committed(path, comm) as source:
             return _load(source, state, strict, weights_only, comm)
 
