@@ -650,6 +650,17 @@ def never_stepped_parameters_load_as_no_state_and_training_matches():
             _pooler_steps(fabric, resumed, resumed_opt, 2, 2, use_pooler=True)
             _exact(full_params(resumed), expected, f"{kind} strict={strict}: weights after the load and 2 steps")
             _exact(tensor_opt_state(resumed_opt), expected_opt, f"{kind} strict={strict}: optimizer state")
+        # Saved before the first step: every parameter never stepped. The load gives no state at all (it gave the
+        # zero state the save's state-dict call makes, with a step count of 1), and the first step matches.
+        first, first_opt = setup(0)
+        first_path = shared_tmpdir(fabric) / f"{kind}-step0"
+        fabric.save(first_path, {"model": first, "optimizer": first_opt})
+        _pooler_steps(fabric, first, first_opt, 0, 1, use_pooler=True)
+        resumed, resumed_opt = setup(9)
+        fabric.load(first_path, {"model": resumed, "optimizer": resumed_opt})
+        assert not resumed_opt.state, f"{kind}: state for {len(resumed_opt.state)} parameters after the load"
+        _pooler_steps(fabric, resumed, resumed_opt, 0, 1, use_pooler=True)
+        _exact(full_params(resumed), full_params(first), f"{kind}: the first step after loading a step-0 checkpoint")
         # Really missing: the optimizer that saved this did not have the pooler at all.
         partial, partial_opt = setup(0, only=lambda name: not name.startswith("pooler"))
         partial_path = shared_tmpdir(fabric) / f"{kind}-partial"

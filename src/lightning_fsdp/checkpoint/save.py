@@ -212,8 +212,10 @@ def sharded_optimizer_state(module: Module, optimizer: Optimizer) -> dict[str, A
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=False))
     if fresh:
         # The state-dict API fills missing state with a zero-gradient step; undo that on the live optimizer, so
-        # saving before the first step does not change training.
+        # saving before the first step does not change training, and save no state, as `optimizer.state_dict()`
+        # would: that zero state has a step count of 1, and a run resumed from it would step differently.
         optimizer.state.clear()
+        state["state"] = {}
     return state
 
 
