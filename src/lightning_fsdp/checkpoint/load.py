@@ -224,7 +224,8 @@ def _set_optimizer_state(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = _param_names(owner, optimizer)
     if len(names) != len(params):  # one name per parameter, in the optimizer's order (see `_param_names`)
-        raise RuntimeError(f"the optimizer lists {len(params)} parameters and the state-dict API names {len(names)}")
+        raise RuntimeError(f"internal error: the optimizer lists {len(params)} parameters and the state-dict API"
+                           f" names {len(names)}; please report it with the model and the optimizer's param groups")
     for name, param in zip(names, params):
         if name in unstepped:
             optimizer.state.pop(param, None)
