@@ -217,7 +217,6 @@ def test_denied_access_names_the_credentials(memory_url, monkeypatch):
 def test_a_missing_filesystem_package_names_the_extra():
     from lightning_fsdp.checkpoint.io.urls import filesystem
 
-    pytest.importorskip("fsspec")
     try:
         import gcsfs  # noqa: F401
     except ImportError:

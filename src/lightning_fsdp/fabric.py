@@ -85,8 +85,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             batch (``fabric.setup_dataloaders`` does this; see the tensor-parallel guide). ``1`` (default): none.
         tensor_parallel_plan: what to split: a dict from module-name patterns to styles in Hugging Face's
             ``tp_plan`` format (``{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj":
-            "rowwise"}``; styles ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``,
-            ``"sequence_parallel"`` and the other names of :data:`lightning_fsdp.engine.tensor_parallel.STYLES`, or
+            "rowwise"}``; styles ``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"`` and the other
+            names of :data:`lightning_fsdp.engine.tensor_parallel.STYLES` (``"sequence_parallel"`` is refused), or
             torch ``ParallelStyle`` objects), ``"auto"`` (a Hugging Face model's own plan), or a callable
             ``(module, tp_mesh) -> None``. Checked against the model at setup, before any weight moves.
         hybrid_no_sync: what ``fabric.no_backward_sync`` skips under hybrid sharding: ``"skip_all"`` (default) skips

@@ -338,7 +338,9 @@ class FsspecStore:
 
     def _retrying(self, target: str, what: str, step: Callable[[], Any]) -> Any:
         """``step()``, again after a transient failure (bounded, with backoff), then one error naming the URL."""
-        for attempt in range(_ATTEMPTS):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return step()
             except CheckpointError:
@@ -348,12 +350,11 @@ class FsspecStore:
                     raise  # ours, already said with the URL and the fix
                 raise self.explain(err, target, what) from err
             except Exception as err:  # noqa: BLE001
-                if attempt + 1 < _ATTEMPTS and _transient(err):
-                    time.sleep(_BACKOFF_S * 2**attempt)
+                if attempt < _ATTEMPTS and _transient(err):
+                    time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
                     self.fs.invalidate_cache()
                     continue
                 raise self.explain(err, target, what) from err
-        raise AssertionError("internal error: the retry loop ended without an outcome")
 
     def explain(self, err: BaseException, target: str, what: str) -> BaseException:
         cause = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
