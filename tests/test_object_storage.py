@@ -277,3 +277,27 @@ def test_missing_credentials_are_one_clear_error_naming_the_fix(s3_server, monke
     store = FsspecStore("s3", {"endpoint_url": s3_server.endpoint, "client_kwargs": {"region_name": "us-east-1"}})
     with pytest.raises(PermissionError, match=f"Access to '{url}' was refused.*HINT.*AWS_ACCESS_KEY_ID"):
         store.commit(_stage(store, url, "444444444444", {"a.distcp": b"x"}), url, _Alone())
+
+
+def test_an_unreachable_endpoint_is_a_network_error_not_a_missing_bucket(monkeypatch):
+    """`fs.exists` answers False when nothing listens: the check must not turn that into "the bucket does not
+    exist" (a wrong fix to suggest), but say the store could not be reached and name the endpoint to check."""
+    from lightning_fsdp.checkpoint.io import remote
+
+    monkeypatch.setattr(remote, "_BACKOFF_S", 0.0)
+    store = remote.FsspecStore("s3", {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s",
+                                      "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    url = "s3://ckpt/run/step-1"
+    with pytest.raises(ConnectionError, match=f"The store at '{url}' failed while checking it.*AWS_ENDPOINT_URL"):
+        store.check_target(url, 0)
+
+
+def test_a_load_from_a_missing_bucket_names_the_bucket(s3_server, monkeypatch):
+    from lightning_fsdp.checkpoint.io.remote import FsspecStore
+
+    s3_server.setenv(monkeypatch)
+    url = "s3://no-such-bucket/run/step-1"
+    store = FsspecStore("s3", {"endpoint_url": s3_server.endpoint})
+    with pytest.raises(FileNotFoundError, match="The bucket 'no-such-bucket' of .* does not exist.*HINT"):
+        with store.open_committed(url, _Alone()):
+            pass

@@ -116,15 +116,27 @@ class FsspecStore:
             return
         self._retrying(target, "checking", lambda: self._check_target(target))
 
+    def _missing_bucket(self, target: str) -> Optional[FileNotFoundError]:
+        """The error to raise when ``target``'s bucket does not exist, else None (also for stores without buckets).
+        Not ``fs.exists``: it answers False for an unreachable endpoint too, which is no missing bucket."""
+        if self.protocol not in EXTRAS:
+            return None
+        bucket = split_url(target)[1].split("/", 1)[0]
+        try:
+            self.fs.info(f"{self.protocol}://{bucket}")
+        except FileNotFoundError:
+            return FileNotFoundError(errno.ENOENT, f"The bucket {bucket!r} of {target!r} does not exist (or these"
+                                     " credentials cannot see it). HINT: create it (e.g. `aws s3 mb"
+                                     f" {self.protocol}://{bucket}`), or fix the checkpoint URL.")
+        return None
+
     def _check_target(self, target: str) -> None:
         fs = self.fs
         fs.invalidate_cache()
         if self.protocol in EXTRAS:
-            bucket = split_url(target)[1].split("/", 1)[0]
-            if not fs.exists(f"{self.protocol}://{bucket}"):
-                raise FileNotFoundError(errno.ENOENT, f"The bucket {bucket!r} of {target!r} does not exist (or these"
-                                        " credentials cannot see it). HINT: create it (e.g. `aws s3 mb"
-                                        f" {self.protocol}://{bucket}`), or fix the checkpoint URL.")
+            missing = self._missing_bucket(target)
+            if missing is not None:
+                raise missing
         if fs.isfile(target):
             raise FileExistsError(errno.EEXIST, f"{target!r} is an existing object that is not a checkpoint, so it"
                                   " is left untouched. HINT: choose another path, or remove it yourself.")
@@ -232,11 +244,14 @@ class FsspecStore:
                 return None
             try:
                 record = json.loads(payload)
-                assert isinstance(record, dict) and record.get("format") == COMMIT_FORMAT
-                assert isinstance(record["objects"], dict) and isinstance(record["token"], str)
-            except Exception as err:  # noqa: BLE001
-                raise ValueError(f"{join(target, COMMIT_NAME)!r} is not a commit record this version reads ({err!r})."
-                                 " HINT: load it with the lightning-fsdp version that saved it, or a newer one.") from err
+            except ValueError as err:  # UnicodeDecodeError too
+                record, why = None, repr(err)
+            else:
+                why = "not a lightning-fsdp commit record, or one without its token and objects"
+            if not (isinstance(record, dict) and record.get("format") == COMMIT_FORMAT
+                    and isinstance(record.get("objects"), dict) and isinstance(record.get("token"), str)):
+                raise ValueError(f"{join(target, COMMIT_NAME)!r} is not a commit record this version reads ({why})."
+                                 " HINT: load it with the lightning-fsdp version that saved it, or a newer one.")
             return record
         return self._retrying(target, "reading", read)
 
@@ -248,6 +263,10 @@ class FsspecStore:
             if comm.global_rank != 0:
                 return None
             record = self.read_commit(target)
+            missing = None if record is not None else self._retrying(target, "reading",
+                                                                     lambda: self._missing_bucket(target))
+            if missing is not None:
+                raise missing
             if record is None:
                 raise FileNotFoundError(errno.ENOENT, f"{target!r} holds no committed checkpoint (no"
                                         f" {COMMIT_NAME} object there: nothing was saved, or the save did not finish)."
