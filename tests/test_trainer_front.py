@@ -115,9 +115,12 @@ def test_what_lightning_reads():
     assert s.num_processes == 2 and s.root_device == torch.device("cpu")
 
 
-def test_storage_options_are_refused():
-    with pytest.raises(TypeError, match="storage_options"):
-        FSDPStrategy().save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
+def test_storage_options_that_are_not_a_dict_are_refused_naming_the_argument(tmp_path):
+    """`save_checkpoint(..., storage_options=...)` is accepted (they go to fsspec, issue 38); anything but a dict of
+    options is refused before a byte is written."""
+    with pytest.raises(TypeError, match="storage_options.*HINT"):
+        FSDPStrategy().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options="endpoint=http://x")
+    assert not any(tmp_path.iterdir())
 
 
 def test_checkpoint_io_is_refused_like_the_fabric_front():
