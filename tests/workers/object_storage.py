@@ -177,12 +177,16 @@ def trainer_model_checkpoint_in_a_bucket_resumes_exactly():
         assert trainer.global_step == (8 if "epoch" in ckpt_path else 12), (ckpt_path, trainer.global_step)
         if "epoch" in ckpt_path:
             compare_params(gathered(resumed.model), expected, atol=0.0)
-    # `last.ckpt`, refreshed after every epoch, is a checkpoint of the last epoch
-    resumed = LitGPT(optimizer="adamw", scheduler=True)
-    trainer = make_trainer(strategy())
-    trainer.fit(resumed, loader(), ckpt_path=f"{dirpath}/last.ckpt")
-    assert trainer.global_step == 8
-    compare_params(gathered(resumed.model), expected, atol=0.0)
+    # `last.ckpt`, refreshed after every epoch, is a checkpoint of the last epoch: by its URL, and as Lightning's
+    # `ckpt_path="last"` (which finds it through the ModelCheckpoint's dirpath; Lightning alone loads nothing there)
+    for ckpt_path in (f"{dirpath}/last.ckpt", "last"):
+        resumed = LitGPT(optimizer="adamw", scheduler=True)
+        by_name = ckpt_path == "last"
+        trainer = make_trainer(strategy(), enable_checkpointing=by_name, callbacks=callbacks() if by_name else None)
+        trainer.fit(resumed, loader(), ckpt_path=ckpt_path)
+        assert trainer.ckpt_path == f"{dirpath}/last.ckpt", (ckpt_path, trainer.ckpt_path)  # None: trained anew
+        assert trainer.global_step == 8, (ckpt_path, trainer.global_step)
+        compare_params(gathered(resumed.model), expected, atol=0.0)
 
 
 

@@ -228,6 +228,19 @@ FABRIC_SETUP_CHECK = "_validate_setup"
 THROUGHPUT_COMPUTE_DTYPE = "_plugin_to_compute_dtype"
 
 
+# Where the Trainer turns `ckpt_path="last"` into a path. It lists each ModelCheckpoint's dirpath with fsspec and
+# then looks each name up on the local filesystem (the URL's protocol is dropped on the way), so the `last.ckpt` of a
+# bucket is never found and nothing is loaded. `_fronts/last_checkpoint.py` wraps it to ask the checkpoint's store.
+TRAINER_CKPT_PATH_PARSE = "_parse_ckpt_path"
+
+
+def trainer_checkpoint_connector() -> type:
+    """The Trainer's checkpoint connector class, which holds :data:`TRAINER_CKPT_PATH_PARSE`."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector
+
+
 def throughput_modules() -> tuple[Any, Any]:
     """The two modules that hold :data:`THROUGHPUT_COMPUTE_DTYPE`: Fabric's and the Trainer's."""
     from lightning.fabric.utilities import throughput
@@ -244,7 +257,8 @@ def _check_names() -> None:
     for owner, name in ((FileSystemReader, DCP_READER_ITEM_VIEW), (FabricConnector, CONNECTOR_STRATEGY_CHECK),
                         (TrainerConnector, CONNECTOR_STRATEGY_CHECK), (FabricConnector, CONNECTOR_PRECISION_CHOICE),
                         (TrainerConnector, CONNECTOR_PRECISION_CHOICE), (_Fabric, FABRIC_SETUP_CHECK),
-                        (fabric_throughput, THROUGHPUT_COMPUTE_DTYPE), (trainer_throughput, THROUGHPUT_COMPUTE_DTYPE)):
+                        (fabric_throughput, THROUGHPUT_COMPUTE_DTYPE), (trainer_throughput, THROUGHPUT_COMPUTE_DTYPE),
+                        (trainer_checkpoint_connector(), TRAINER_CKPT_PATH_PARSE)):
         if not hasattr(owner, name):
             raise ImportError(
                 f"lightning-fsdp needs `{getattr(owner, '__qualname__', owner.__name__)}.{name}`, which torch"
@@ -258,6 +272,8 @@ _check_names()
 
 
 __all__ = [
+    "TRAINER_CKPT_PATH_PARSE",
+    "trainer_checkpoint_connector",
     "planner_tools",
     "FabricSubprocessScriptLauncher",
     "TrainerSubprocessScriptLauncher",
