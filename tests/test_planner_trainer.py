@@ -22,9 +22,10 @@ from lightning_fsdp.planner import PlanningError, plan_memory
 sys.path.insert(0, str(WORKERS))
 from planned_lit import MEASURED, Block, PlannedLit, WideLit, batch, wide_batch  # noqa: E402
 
-# The planner's own tests keep one core busy; the measured steps run in the pools of their world sizes (the 1-rank
-# script is a launch of its own: no other script runs on one rank).
-pytestmark = pytest.mark.single_process
+# The planner's own tests keep one core busy and run first (`single_process`); the measured steps run in the pools of
+# their world sizes (the 1-rank script is a launch of its own: no other script runs on one rank), and the tests that
+# read them run with the other pool readers, last: marked `single_process` they would wait for the pools at the start
+# of the run, with the second core idle (this took 546 s for the suite where it takes about 400 s).
 
 trainer_steps_1 = pooled("trainer_plan_measure.py", 1, name="trainer_steps_1")
 trainer_steps_2 = pooled("trainer_plan_measure.py", 2, name="trainer_steps_2")
@@ -53,6 +54,7 @@ def test_accumulation_and_manual_optimization_are_planned_within_3_percent(reque
     _check_within_3_percent(request, name, 2)
 
 
+@pytest.mark.single_process
 def test_a_module_planned_for_the_trainer_holds_the_gradients_the_fabric_loop_has_freed():
     """The same model, planned as a LightningModule (the Trainer's order) and as a plain module (Fabric's loop, which
     frees gradients at the end of each step): the Trainer's plan is the higher, by what the gradients add to the
@@ -64,6 +66,7 @@ def test_a_module_planned_for_the_trainer_holds_the_gradients_the_fabric_loop_ha
     assert trainer.peak_of(0) >= fabric.peak_of(0) + grads // 2, (trainer.peak_of(0), fabric.peak_of(0), grads)
 
 
+@pytest.mark.single_process
 def test_accumulate_grad_batches_raises_the_plan_and_is_checked(tmp_path):
     """In Python and on the command line (`--accumulate-grad-batches`), with bad values refused."""
     one = plan_memory(PlannedLit, batch, world_size=2, auto_wrap_policy={Block}).peak_of(0)
@@ -133,6 +136,7 @@ class _BlockTwice(_Base):
         return self.block(self.block(batch)).pow(2).mean()
 
 
+@pytest.mark.single_process
 @pytest.mark.parametrize("module, phase, says", [
     (_ReadsGlobalStep, "training_step", "`training_step` reads `self.trainer.global_step`"),
     (_SchedulerFromTrainer, "configure_optimizers",
@@ -148,6 +152,7 @@ def test_what_the_planner_cannot_follow_is_named_not_blamed_on_the_batch(module,
     assert "lightning/pytorch" not in message, message  # the user's line, not Lightning's
 
 
+@pytest.mark.single_process
 def test_a_manual_step_is_planned_through_the_stand_in():
     """Manual optimization: `self.optimizers()`, `self.manual_backward`, `self.log` and `self.clip_gradients` reach
     the planner's stand-in for the Trainer; the plan holds the optimizer state and follows the user's order."""
