@@ -12,9 +12,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The whole suite on the pinned versions, on the 2-core reference machine: pytest's time was 333 s and 341 s in two
 # runs in this checkout on 2026-11-26 (issue 28; 1039 tests; forked low-priority pools beside the other tests), where
 # the code before took 370 s and 394 s that morning and 314 to 400 s the day before: the machine's own spread is
-# about a quarter. The budget is the slowest run seen of the code before, plus a margin of about 7%. Raise it only
-# with a measurement and a reason.
-SUITE_BUDGET_S=430
+# about a quarter. The budget was then the slowest run seen of the code before, plus a margin of about 7% (430 s).
+# Raised on 2026-11-27 (issues 37, 38 and 39: 1151 tests, 107 more, among them a real S3 server, a rank killed
+# mid-upload, tied-weight and full-checkpoint TP cases in the 4-rank pool, the Trainer's memory plan at 1, 2 and 4
+# ranks): pytest's time was 470 s for the whole suite once the pool readers ran last. The 4-rank pool (164 s,
+# 9 scripts) is the critical path now. The budget is that run plus the machine's spread (a fifth): 560 s. It is
+# over the 6-minute target; bring it back down rather than raising it again. Raise it only with a measurement and a
+# reason.
+SUITE_BUDGET_S=560
 
 bash "$ROOT/.ci/install.sh"
 cd "$ROOT"

@@ -49,7 +49,7 @@ from lightning_fsdp.checkpoint.convert import (
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
-from lightning_fsdp.checkpoint.io.store import is_url, store_for
+from lightning_fsdp.checkpoint.io.store import OneProcess, is_url, store_for
 from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]
@@ -177,21 +177,6 @@ def _options(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     return dict(args.storage_options) or None
 
 
-class _OneProcess:
-    """The collectives a store needs, in this one process (the command runs without a process group)."""
-
-    global_rank = 0
-
-    def barrier(self) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def agree(self, error: Optional[Any]) -> Optional[tuple[int, Any]]:
-        return None if error is None else (0, error)
-
-
 @contextlib.contextmanager
 def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
     """A local path to read the checkpoint at ``path`` from, for the time of the block: a local path as given (so the
@@ -201,7 +186,7 @@ def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
         yield path
         return
     try:
-        opened = store_for(path, options).open_committed(path, _OneProcess())
+        opened = store_for(path, options).open_committed(path, OneProcess())
         local = opened.__enter__()
     except FileNotFoundError as err:
         if err.errno is not None:  # no checkpoint at that URL (the store's message names it and the fix): input the
@@ -290,7 +275,7 @@ def _convert_to_url(args: argparse.Namespace, source: str) -> int:
     options = _options(args)
     store = store_for(args.dst, options)
     target = store.target(args.dst)
-    comm = _OneProcess()
+    comm = OneProcess()
     if args.to == "safetensors":
         return _export_to_url(args, source, target, options)
     store.check_target(target, 0)  # a missing bucket, or objects no save wrote, refused before any work
