@@ -57,13 +57,20 @@ def test_accumulation_and_manual_optimization_are_planned_within_3_percent(reque
 @pytest.mark.single_process
 def test_a_module_planned_for_the_trainer_holds_the_gradients_the_fabric_loop_has_freed():
     """The same model, planned as a LightningModule (the Trainer's order) and as a plain module (Fabric's loop, which
-    frees gradients at the end of each step): the Trainer's plan is the higher, by what the gradients add to the
-    forward, and it says whose order it followed."""
+    frees gradients at the end of each step): the Trainer's forward holds the previous step's gradients on top of
+    what Fabric's forward holds, and the plan says whose order it followed. Compared in the forward, where the two
+    orders differ: the step's overall peak may be in the backward (torch 2.15 puts it there for this model), where
+    both orders hold the gradients."""
     trainer = plan_memory(WideLit, wide_batch, world_size=2)
     fabric = plan_memory(lambda: WideLit().model, wide_batch, world_size=2)
     grads = trainer.breakdown()["grads"]
     assert trainer.settings["loop"] == "trainer" and "loop" not in fabric.settings
-    assert trainer.peak_of(0) >= fabric.peak_of(0) + grads // 2, (trainer.peak_of(0), fabric.peak_of(0), grads)
+
+    def forward_peak(plan):
+        return max(unit.forward_peak for unit in plan.ranks[0].units)
+
+    assert forward_peak(trainer) >= forward_peak(fabric) + grads // 2, (forward_peak(trainer), forward_peak(fabric),
+                                                                        grads)
 
 
 @pytest.mark.single_process
