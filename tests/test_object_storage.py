@@ -214,16 +214,21 @@ def test_denied_access_names_the_credentials(memory_url, monkeypatch):
         store.commit(_stage(store, memory_url, "222222222222", {"a": b"x"}), memory_url, _Alone())
 
 
-def test_a_missing_filesystem_package_names_the_extra():
+def test_a_missing_filesystem_package_names_the_extra(monkeypatch):
+    """gcsfs made missing whether or not it is installed here (None in sys.modules fails its import), and forgotten
+    by fsspec's registry of imported filesystems."""
+    import importlib
+    import sys
+
     from lightning_fsdp.checkpoint.io.urls import filesystem
 
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r'needs the package .gcsfs.*pip install "lightning-fsdp\[gcs\]"'):
-            filesystem("gs://bucket/ckpt")
-    else:
-        pytest.skip("gcsfs is installed here")
+    imported = importlib.import_module("fsspec.registry")._registry  # `fsspec.registry` is the read-only view
+
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    for protocol in ("gs", "gcs"):
+        monkeypatch.delitem(imported, protocol, raising=False)
+    with pytest.raises(ImportError, match=r'needs the package .gcsfs.*pip install "lightning-fsdp\[gcs\]"'):
+        filesystem("gs://bucket/ckpt")
 
 
 def test_storage_options_must_be_a_dict():
