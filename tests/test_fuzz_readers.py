@@ -432,6 +432,16 @@ def test_checksums_manifest(files, tmp_path):
     fuzz.check()
 
 
+def test_a_manifest_whose_file_name_is_damaged_names_the_manifest(files, tmp_path):
+    """A flipped byte inside the name `.metadata` in `checksums.json` (seen once in CI: flip@264) left a manifest that
+    parses but records no `.metadata`: the reader then blamed `.metadata` as copied in, not the damaged manifest."""
+    fuzz = _Fuzz(tmp_path, "checksums", _read_checksums, files["sharded"], "checksums.json")
+    data = fuzz.data
+    assert b'".metadata"' in data, data[:300]
+    fuzz.run("renamed-.metadata", data.replace(b'".metadata"', b'".me\u0014adata"', 1))
+    fuzz.check()
+
+
 def test_safetensors_header(files, tmp_path):
     fuzz = _Fuzz(tmp_path, "safetensors", _read_safetensors, files["safetensors"])
     for name, mutated in _safetensors_mutations(fuzz.data, random.Random(SEED + 4)):

@@ -117,6 +117,9 @@ def _manifest_problem(manifest: Any) -> str:
     if files is not None and not (isinstance(files, dict) and all(
             isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v) for v in files.values())):
         return "its files are not {name: [size, digest]}"
+    unknown = sorted(set(files or ()) - set(WHOLE_FILES))
+    if unknown:  # a save records only these; another name is a damaged one (and would hide the real file's record)
+        return f"its files name {unknown[0][:100]!r}, which no save records (only {', '.join(WHOLE_FILES)})"
     return ""
 
 
