@@ -40,6 +40,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import verify_sharded
@@ -60,19 +61,8 @@ CORPUS = Path(__file__).parent / "fixtures" / "fuzz_corpus"
 # ---------------------------------------------------------------------------------------------- the real files
 
 
-class _OneProcess:
-    """The collectives of a save or load in one process, without a process group."""
-
-    global_rank = 0
-
-    def barrier(self) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def agree(self, error: Any) -> Any:
-        return None if error is None else (0, error)
+class _OneProcess(OneProcess):
+    """The collectives of a save or load in one process (the package's own), plus the guard a save asks for."""
 
     def guard(self, phase: str) -> Any:
         return contextlib.nullcontext()
