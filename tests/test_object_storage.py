@@ -176,10 +176,10 @@ def test_a_stale_cached_listing_does_not_decide_what_is_committed(memory_url):
 
 @pytest.mark.parametrize("failures, error", [(2, None), (99, ConnectionError)])
 def test_transient_server_errors_are_retried_then_fail_clearly(memory_url, monkeypatch, failures, error):
-    from lightning_fsdp.checkpoint.io import remote
+    from lightning_fsdp.checkpoint.io import remote_errors
     from lightning_fsdp.checkpoint.io.store import store_for
 
-    monkeypatch.setattr(remote, "_BACKOFF_S", 0.0)
+    monkeypatch.setattr(remote_errors, "BACKOFF_S", 0.0)
     store = store_for(memory_url)
     put = store.fs.put
     calls = []
@@ -287,9 +287,9 @@ def test_missing_credentials_are_one_clear_error_naming_the_fix(s3_server, monke
 def test_an_unreachable_endpoint_is_a_network_error_not_a_missing_bucket(monkeypatch):
     """`fs.exists` answers False when nothing listens: the check must not turn that into "the bucket does not
     exist" (a wrong fix to suggest), but say the store could not be reached and name the endpoint to check."""
-    from lightning_fsdp.checkpoint.io import remote
+    from lightning_fsdp.checkpoint.io import remote, remote_errors
 
-    monkeypatch.setattr(remote, "_BACKOFF_S", 0.0)
+    monkeypatch.setattr(remote_errors, "BACKOFF_S", 0.0)
     store = remote.FsspecStore("s3", {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s",
                                       "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
     url = "s3://ckpt/run/step-1"

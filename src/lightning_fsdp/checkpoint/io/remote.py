@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -35,22 +33,19 @@ import torch.distributed as dist
 import xxhash
 
 from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, commit_order_value, next_commit_order
-from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
+from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
+from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.io.conditional import put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
+from lightning_fsdp.checkpoint.io.remote_clean import clean_target
+from lightning_fsdp.checkpoint.io.remote_errors import damaged, explain, retrying
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
-COMMIT_NAME = "COMMIT"
-COMMIT_FORMAT = "lightning-fsdp-commit"
-COMMIT_VERSION = 1
 _DIGEST_BELOW = 4 * 2**20  # objects this small get a digest in COMMIT (.metadata, meta.pt, checksums.json)
 _RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
-_ATTEMPTS = 4  # our own retries of a transient failure, on top of the filesystem's (s3fs: 5), with backoff
-_BACKOFF_S = 0.25
-_TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "RequestTimeout", "reset by peer",
-              "Connection", "timed out", "Timeout")
 
 
 class FsspecStore:
@@ -201,34 +196,12 @@ class FsspecStore:
         return objects
 
     def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str) -> None:
-        record = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "token": token, "kind": kind,
-                  "name": basename(target), "objects": objects, COMMIT_ORDER_KEY: next_commit_order(), "time": time.time()}
-        payload = json.dumps(record, sort_keys=True).encode()
+        payload = encode_record(build_record(token, kind, basename(target), objects, next_commit_order()))
         url = join(target, COMMIT_NAME)
         self._retrying(target, "committing", lambda: self._put_commit(url, payload))
 
     def _put_commit(self, url: str, payload: bytes) -> None:
-        fs = self.fs
-        fs.invalidate_cache(url)
-        call_s3 = getattr(fs, "call_s3", None)
-        if call_s3 is None:  # a store without conditional writes here: one PUT, still atomic for readers
-            fs.pipe_file(url, payload)
-            return
-        try:
-            etag = fs.info(url).get("ETag")
-        except FileNotFoundError:
-            etag = None
-        bucket, key, _ = fs.split_path(url)
-        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
-        try:
-            call_s3("put_object", Bucket=bucket, Key=key, Body=payload, **condition)
-        except Exception as err:  # noqa: BLE001 - a lost race is said as such; anything else goes on
-            if "PreconditionFailed" in repr(err) or "412" in str(err):
-                raise FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this"
-                                      " one was uploading, so this one was not committed (the other one stands)."
-                                      " HINT: give each writer its own checkpoint path.") from err
-            raise
-        fs.invalidate_cache(url)
+        put_if(self.fs, url, payload, version_of(self.fs, url))
 
     def discard(self, staged: Path, rank: int) -> None:
         shutil.rmtree(Path(staged).parent, ignore_errors=True)
@@ -238,21 +211,12 @@ class FsspecStore:
     def read_commit(self, target: str) -> Optional[dict[str, Any]]:
         """What ``target``'s COMMIT records, or None when there is none (no checkpoint, or one never committed)."""
         def read() -> Optional[dict[str, Any]]:
+            url = join(target, COMMIT_NAME)
             try:
-                payload = self.fs.cat_file(join(target, COMMIT_NAME))
+                payload = self.fs.cat_file(url)
             except FileNotFoundError:
                 return None
-            try:
-                record = json.loads(payload)
-            except ValueError as err:  # UnicodeDecodeError too
-                record, why = None, repr(err)
-            else:
-                why = "not a lightning-fsdp commit record, or one without its token and objects"
-            if not (isinstance(record, dict) and record.get("format") == COMMIT_FORMAT
-                    and isinstance(record.get("objects"), dict) and isinstance(record.get("token"), str)):
-                raise ValueError(f"{join(target, COMMIT_NAME)!r} is not a commit record this version reads ({why})."
-                                 " HINT: load it with the lightning-fsdp version that saved it, or a newer one.")
-            return record
+            return parse_record(payload, url)
         return self._retrying(target, "reading", read)
 
     @contextlib.contextmanager
@@ -312,9 +276,9 @@ class FsspecStore:
             place = places[name]
             actual = place.stat().st_size if place.is_file() else -1
             if actual != size:
-                raise _damaged(join(prefix, name), f"it has {actual} bytes, its commit records {size}")
+                raise damaged(join(prefix, name), f"it has {actual} bytes, its commit records {size}")
             if digest is not None and xxhash.xxh3_64_intdigest(place.read_bytes()) != digest:
-                raise _damaged(join(prefix, name), "its bytes do not match the digest its commit records")
+                raise damaged(join(prefix, name), "its bytes do not match the digest its commit records")
 
     # --- listing and removing -------------------------------------------------------------------------------
 
@@ -356,67 +320,10 @@ class FsspecStore:
     # --- errors ---------------------------------------------------------------------------------------------
 
     def _retrying(self, target: str, what: str, step: Callable[[], Any]) -> Any:
-        """``step()``, again after a transient failure (bounded, with backoff), then one error naming the URL."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return step()
-            except CheckpointError:
-                raise  # damage, said with the object's URL: retrying reads the same bytes
-            except (FileNotFoundError, FileExistsError, IsADirectoryError, ValueError) as err:
-                if getattr(err, "errno", None) is not None or isinstance(err, ValueError):
-                    raise  # ours, already said with the URL and the fix
-                raise self.explain(err, target, what) from err
-            except Exception as err:  # noqa: BLE001
-                if attempt < _ATTEMPTS and _transient(err):
-                    time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
-                    self.fs.invalidate_cache()
-                    continue
-                raise self.explain(err, target, what) from err
+        return retrying(self.fs, target, what, step)
 
     def explain(self, err: BaseException, target: str, what: str) -> BaseException:
-        cause = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
-        if isinstance(err, PermissionError) or "AccessDenied" in cause or "Credentials" in cause \
-                or "InvalidAccessKeyId" in cause or "SignatureDoesNotMatch" in cause or "Forbidden" in cause:
-            return PermissionError(errno.EACCES, f"Access to {target!r} was refused while {what} it ({cause})."
-                                   " HINT: check the credentials (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,"
-                                   " or `storage_options={'key': ..., 'secret': ...}`) and that they may read and"
-                                   " write that bucket.")
-        if isinstance(err, FileNotFoundError):
-            return FileNotFoundError(errno.ENOENT, f"{target!r} was not found while {what} it ({cause}). HINT: check"
-                                     " the URL and that its bucket exists.")
-        if _transient(err) or isinstance(err, (ConnectionError, TimeoutError, OSError)):
-            return ConnectionError(f"The store at {target!r} failed while {what} it, after {_ATTEMPTS} attempts"
-                                   f" ({cause}). HINT: check the endpoint (AWS_ENDPOINT_URL or"
-                                   " `storage_options={'endpoint_url': ...}`) and the network, then save again; the"
-                                   " previous checkpoint there is unchanged.")
-        return RuntimeError(f"The store failed while {what} {target!r} ({cause}). HINT: the previous checkpoint there"
-                            " is unchanged; fix the cause and save again.")
-
-
-def clean_target(fs: Any, target: str, keep: Optional[str]) -> list[str]:
-    """Remove the objects of saves that never committed at ``target`` (every token prefix but ``keep``) and abort
-    incomplete multipart uploads under it. Returns what was removed."""
-    fs.invalidate_cache()
-    removed = []
-    try:
-        names = [_leaf(n) for n in fs.ls(target, detail=False)]
-    except FileNotFoundError:
-        names = []
-    for name in names:
-        if name.startswith(".") and name != f".{keep}":
-            fs.rm(join(target, name), recursive=True)
-            removed.append(join(target, name))
-    if hasattr(fs, "list_multipart_uploads"):
-        bucket, key, _ = fs.split_path(target)
-        for upload in fs.list_multipart_uploads(bucket):
-            under = upload.get("Key", "")
-            if under.startswith(key + "/.") and not (keep and under.startswith(f"{key}/.{keep}/")):
-                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=under, UploadId=upload["UploadId"])
-                removed.append(f"{split_url(target)[0]}://{bucket}/{under} (multipart upload)")
-    fs.invalidate_cache()
-    return removed
+        return explain(err, target, what)
 
 
 def clean(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[str]:
@@ -445,16 +352,8 @@ def _gather(mine: Any, group: Any) -> list[Any]:
     return out
 
 
-def _transient(err: BaseException) -> bool:
-    text = f"{type(err).__name__} {err}"
-    return isinstance(err, (ConnectionError, TimeoutError)) or any(word in text for word in _TRANSIENT)
 
 
-def _damaged(url: str, why: str) -> Exception:
-    from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
-
-    return ChecksumError(f"The object {url!r} is damaged: {why}. HINT: load an earlier checkpoint, or save this one"
-                         " again.")
 
 
 def _renamed(err: BaseException, local: str, target: str) -> BaseException:
