@@ -433,3 +433,147 @@ def test_gpu_sentences_are_the_gpu_record():
     assert gpu_claims_against("passes on one H100", [run], "t") == []
     assert gpu_claims_against("no run is\nrecorded yet", [run], "t") != []
     assert GPU_MODEL.findall("README.md-L37, bf16, A100 and L40S") == ["A100", "L40S"]
+
+
+# --- Measured numbers ---------------------------------------------------------------------------------------------
+# "Every numerical claim in the README or a note comes from a command anyone can run, and you name that command."
+# A figure in the prose (a number with a unit, a ratio, a tolerance in scientific notation) is one of:
+# - measured in the run of record: `0.42<!-- record: FIGURE -->` (a row of docs/benchmarks.json, which
+#   `bash benchmarks/run.sh` writes; checked above against the record);
+# - measured by another command: `7e-6<!-- measured: tests/workers/tp_patterns.py -->`, naming the file that
+#   measures it, with the whole command shown as code in the same paragraph, so a reader can run it;
+# - a definition: a bound a test or the code holds ("within 1e-5", "under 2 GB", "at most 1.05"), a setting
+#   ("every 8 MiB", "s3fs's default part size of 50 MiB"), found by the words right before it, or one of the few
+#   entries of DEFINITIONS below, each with its reason.
+# Anything else fails: a measured number that names no command is how "173 MB" and "several 1e-6" got in.
+
+SCANNED_FOR_FIGURES = sorted({*ROOT.glob("docs/*.md"), *ROOT.glob("docs/guides/*.md"), *ROOT.glob("docs/reference/*.md"),
+                              ROOT / "README.md"} - {ROOT / "docs" / "benchmarks-table.md"})  # generated from the record
+
+UNITS = r"[KMGT]i?B|ms|s|%|x|×|times|seconds?|minutes?|hours?"
+# A number not glued to a word, a dot, a path or a formula (`fp32`, `2.13.0`, `16·P/N`, `Qwen2.5`), and not part of a
+# version, a date or a list of digits; then an optional unit. Only ratios around 1 (`0.42`, `1.05`) count without a
+# unit: a larger decimal without one is a version (torch 2.13, Python 3.11, Llama 3.2) or a model's size (6.5B).
+FIGURE = re.compile(rf"(?<![\w.·/^])(?P<number>[-+]?\d+(?:,\d{{3}})*(?:\.\d+)?(?:e[-+]?\d+)?)(?![.,]?\d|e[-+]?\d)"
+                    rf"(?P<unit>\s?(?:{UNITS})(?!\w)(?!\s*\d))?")
+RATIO = re.compile(r"[-+]?[01]\.\d+")
+# Words that make the figure right after them a bound or a setting, not a measurement: within the 25 characters
+# before it and the same clause ("within max(1e-6, 10 x", "up to 3 times", "a default part size of 50 MiB").
+BOUND = re.compile(r"(?:\b(?:within|under|over|below|above|at most|at least|up to|less than|more than|default|every)"
+                   r"\b|<=|>=|≤|≥|[<>])[^.;:!?]{0,25}$", re.IGNORECASE)
+# Definitions the words above do not show, each a setting or an input the text describes, not a result.
+DEFINITIONS = {
+    ("guides/checkpoints.md", "A 2.6 KB file of lists"): "the input tests/workers/tamper.py builds (a DAG of 60 levels)",
+    ("guides/huggingface.md", "(1.35 GB in 4 files"): "the checkpoint benchmarks/pretrained_load_memory.py writes with "
+                                                       "its default sizes",
+    ("benchmarks.md", "134 MB in fp32"): "the model full_state_load_memory.py builds: 8 * 2048 * 2049 * 4 bytes",
+    ("reference/cli.md", "of 8 MiB tensors"): "the tensor size of the model benchmarks/convert_memory.py builds",
+    ("reference/cli.md", "with 20 MB shards"): "the shard size test_cli.py's conversion sets",
+    ("guides/object-storage.md", "ranged GETs of 32 MiB"): "remote.py's _RANGE, the size of one ranged read",
+    ("guides/troubleshooting.md", "warning after 5 s"): "process_exit.py's _WARN_AFTER_S",
+    ("guides/troubleshooting.md", "cap is 2 s"): "process_exit.py's UNVERIFIED_WAIT_S",
+}
+MEASURED = re.compile(r"<!--\s*measured:\s*(?P<path>[^\s>]*)\s*-->")
+FENCED = re.compile(r"^ *(`{3,}|~{3,}).*?^ *\1[^\n]*$", re.S | re.M)
+CODE_SPAN = re.compile(r"(`+)(?!`)(?P<code>.+?)(?<!`)\1(?!`)", re.S)
+
+
+def _blank(m: re.Match) -> str:
+    """The match's text replaced by spaces, keeping its newlines, so positions and line numbers stay."""
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+
+def measured_markers(text: str) -> list[str]:
+    """The problems of the text's ``<!-- measured: PATH -->`` markers: each must sit right after a number, name a
+    file of the repository, and have a code span naming that file in its paragraph (the command to run)."""
+    bad = []
+    for m in MEASURED.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        start = text.rfind("\n\n", 0, m.start()) + 1
+        end = text.find("\n\n", m.end()) % (len(text) + 1)
+        paragraph = MEASURED.sub("", text[start:end])
+        commands = [" ".join(c["code"].split()) for c in CODE_SPAN.finditer(paragraph)]
+        if not re.search(r"\d$", text[:m.start()]):
+            bad.append(f"line {line}: {m.group(0)!r} is not right after a number")
+        elif not m["path"] or not (ROOT / m["path"]).is_file():
+            bad.append(f"line {line}: {m.group(0)!r} names no file of the repository")
+        elif not any(m["path"] in c for c in commands):
+            bad.append(f"line {line}: no command naming {m['path']} shown as code in the paragraph")
+    return bad
+
+
+def unmarked_figures(text: str, where: str) -> list[str]:
+    """Every figure of ``text`` (a page at ``where``, relative to docs/ or the root) that is neither marked as
+    measured nor a definition, as ``where:line: figure in 'context'``."""
+    prose = FENCED.sub(_blank, text)
+    prose = re.sub(r"<!--\s*(?:record|measured):.*?-->", lambda m: "\0" * len(m.group(0)), prose, flags=re.S)
+    prose = re.sub(r"<!--.*?-->", _blank, prose, flags=re.S)
+    prose = CODE_SPAN.sub(_blank, prose)  # code is what one types: `eps=1e-8`, `--devices 2`
+    prose = re.sub(r"\]\([^)]*\)", _blank, prose)  # link targets
+    marked = {m.start() for m in re.finditer("\0+", prose)}  # where each marker starts
+    prose = prose.replace("\0", " ")
+    found = []
+    for m in FIGURE.finditer(prose):
+        number, unit = m["number"], m["unit"]
+        if not (unit or "e" in number or RATIO.fullmatch(number)):
+            continue  # a count or an index: "2 ranks", "step 8"
+        if m.end("number") in marked:
+            continue  # a marker right after the number
+        before = " ".join(prose[max(0, m.start() - 60):m.start()].split())
+        if BOUND.search(before):
+            continue
+        context = " ".join(prose[max(0, m.start() - 40):m.end() + 40].split())
+        if any(doc == where and phrase in context and m.group(0).strip() in phrase
+               for doc, phrase in DEFINITIONS):
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        found.append(f"{where}:{line}: {m.group(0).strip()!r} in {context!r}")
+    return found
+
+
+def _where(doc: Path) -> str:
+    return str(doc.relative_to(ROOT / "docs")) if doc.is_relative_to(ROOT / "docs") else doc.name
+
+
+def test_every_figure_in_the_docs_is_measured_with_its_command_or_a_definition():
+    """A measured number names its command: the record's marker, or a `measured:` marker whose command the paragraph
+    shows. Bounds and settings pass by the words before them, or by DEFINITIONS, whose every entry must still be
+    used (a stale one fails)."""
+    unmarked, markers = [], []
+    for doc in SCANNED_FOR_FIGURES:
+        text = doc.read_text()
+        unmarked += unmarked_figures(text, _where(doc))
+        markers += [f"{_where(doc)}: {bad}" for bad in measured_markers(text)]
+    assert not markers, f"malformed `<!-- measured: PATH -->` markers: {markers}"
+    assert not unmarked, (
+        "figures that are neither marked as measured nor definitions: " + "; ".join(unmarked) + ". HINT: a measured"
+        " number names its command: `0.42<!-- record: FIGURE -->` for a row of docs/benchmarks.json, or"
+        " `7e-6<!-- measured: PATH -->` with the command running PATH shown as code in the same paragraph; a bound or"
+        " a setting says so in words ('within 1e-5', 'at most 1.05', 'a default of 50 MiB') or, if it cannot, gets"
+        " an entry with its reason in DEFINITIONS in tests/test_docs.py.")
+    texts = {_where(doc): " ".join(doc.read_text().split()) for doc in SCANNED_FOR_FIGURES}
+    stale = [key for key in DEFINITIONS if key[1] not in texts.get(key[0], "")]
+    assert not stale, f"DEFINITIONS entries whose phrase is no longer in the page (remove them): {stale}"
+
+
+def test_unmarked_figures_are_found():
+    """The control for the rule above: what it must catch, and what it must let through."""
+    caught = ["a 173 MB checkpoint", "differ by several 1e-6 there", "a save ran at 0.42 of a plain put",
+              "the hook costs 3%", "DDP is 1.48x faster", "it took 12 s", "2.5 times faster", "uses 0.78x the peak",
+              "a ratio of 1.05.", "peaks at 1.2 GiB"]
+    for sentence in caught:
+        assert unmarked_figures(sentence, "t.md"), sentence
+    passed = ["a 173<!-- record: x | detail.checkpoint_MB --> MB checkpoint", "matches within 1e-5",
+              "at most 1.05", "up to 3 times", "under 2 GB", "every 8 MiB", "batch 2 x 1024", "torch 2.13 to 2.15",
+              "Python 3.11", "with `eps=1e-8`", "0.78<!-- record: x -->x the peak", "on 2 ranks, step 8",
+              "litgpt 0.5.9", "a default part size of 50 MiB", "<= max(1e-6, 10 x max |ddp - single|)",
+              "```\n0.42 MB\n```", "7e-6<!-- measured: tests/test_docs.py --> (`pytest tests/test_docs.py`)"]
+    for sentence in passed:
+        assert not unmarked_figures(sentence, "t.md"), sentence
+    assert unmarked_figures("x\nthe 1.35 GB file", "guides/huggingface.md") == [
+        "guides/huggingface.md:2: '1.35 GB' in 'x the 1.35 GB file'"]  # an entry of DEFINITIONS holds for its phrase only
+    assert measured_markers("0<!-- measured: tests/test_docs.py --> (run `pytest -s tests/test_docs.py`)") == []
+    assert measured_markers("was 0<!-- measured: tests/test_docs.py -->.") == [
+        "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]
+    assert "names no file" in measured_markers("0<!-- measured: tests/nothing.py --> `tests/nothing.py`")[0]
+    assert "not right after a number" in measured_markers("zero <!-- measured: tests/test_docs.py -->")[0]
