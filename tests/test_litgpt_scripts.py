@@ -41,8 +41,15 @@ RUN_TIMEOUT_S = 300
 FLOOR = 1e-6  # fp32 rounding of weights of size ~1 after a few Adam steps
 SLACK = 10.0
 
-import litgpt  # noqa: E402,F401  (a test dependency: missing, the file fails rather than skips)
+import litgpt  # noqa: E402  (a test dependency: missing, the file fails rather than skips)
 import tokenizers  # noqa: E402,F401
+
+# `tests/` is on sys.path, so without the real package `import litgpt` above imports this folder's `litgpt/` (which
+# has no __init__.py) as an empty namespace package and succeeds: a missing litgpt would show only as every run
+# failing in its subprocess. A namespace package has no __file__.
+if getattr(litgpt, "__file__", None) is None:
+    raise ImportError(f"`import litgpt` found only the namespace folder(s) {list(litgpt.__path__)}, not the litgpt"
+                      " package. HINT: install the test extra: `pip install -e '.[test]'` (litgpt>=0.5.9).")
 
 # Its runs go side by side, two processes each: both cores stay busy (conftest.py runs such tests late).
 pytestmark = pytest.mark.fills_both_cores

@@ -129,10 +129,17 @@ def test_storage_options_on_the_command_line_reach_the_store(s3, bare, tmp_path,
 
 
 def test_a_missing_bucket_is_one_error_naming_it(s3, bare, tmp_path):
-    run = run_cli(["convert", bare, "s3://no-such-bucket-cli/run/step-6", "--to", "sharded"], cwd=tmp_path)
-    assert run.returncode in (1, 2)
+    """As a destination, a bucket that does not exist is a write that failed: status 1, as for a local DST whose
+    directory cannot be written. As a source it is input that names nothing to read: status 2, as for a missing
+    path (docs/reference/cli.md)."""
+    url = "s3://no-such-bucket-cli/run/step-6"
+    run = run_cli(["convert", bare, url, "--to", "sharded"], cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
     assert "no-such-bucket-cli" in one_line_error(run)
     assert not (tmp_path / "s3:").exists()
+    read = run_cli(["inspect", url], cwd=tmp_path)
+    assert read.returncode == 2, read.stderr
+    assert "no-such-bucket-cli" in one_line_error(read)
 
 
 def test_clean_removes_an_unfinished_saves_objects_and_keeps_the_committed_checkpoint(s3, bare, tmp_path):

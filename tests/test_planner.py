@@ -400,4 +400,4 @@ def test_controls_are_planned_from_the_command_line(models_dir):
     assert peaks["full"] < peaks["every2"] < peaks["none"], peaks
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     bad = run_plan(models_dir, *base, "--backward-prefetch", "0")
-    assert bad.returncode != 0 and "--backward-prefetch 0" in bad.stderr and "HINT" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--backward-prefetch 0" in bad.stderr and "HINT" in bad.stderr, bad.stderr
