@@ -256,6 +256,7 @@ def test_convert_reads_from_and_writes_to_urls(memory_url, tmp_path):
     import torch
 
     from lightning_fsdp.checkpoint.convert import convert
+    from lightning_fsdp.checkpoint.io.readers import UsageError
     from lightning_fsdp.checkpoint.io.store import store_for
 
     weights = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor([1.0, -2.0, 3.0])}
@@ -265,7 +266,7 @@ def test_convert_reads_from_and_writes_to_urls(memory_url, tmp_path):
     convert(memory_url, tmp_path / "back.pt", to="full")
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     assert back["step"] == 7 and all(torch.equal(back["model"][k], weights[k]) for k in weights)
-    with pytest.raises(Exception, match="already exists.*HINT"):
+    with pytest.raises(UsageError, match="already exists.*HINT"):  # bad input, as the command line's status 2 says
         convert(tmp_path / "full.pt", memory_url, to="sharded")
 
 
