@@ -497,7 +497,7 @@ def measured_markers(text: str) -> list[str]:
             bad.append(f"line {line}: {m.group(0)!r} is not right after a number")
         elif not m["path"] or not (ROOT / m["path"]).is_file():
             bad.append(f"line {line}: {m.group(0)!r} names no file of the repository")
-        elif not any(m["path"] in c for c in commands):
+        elif not any(m["path"] in c and " " in c for c in commands):  # a command, not the bare path
             bad.append(f"line {line}: no command naming {m['path']} shown as code in the paragraph")
     return bad
 
@@ -577,3 +577,5 @@ def test_unmarked_figures_are_found():
         "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]
     assert "names no file" in measured_markers("0<!-- measured: tests/nothing.py --> `tests/nothing.py`")[0]
     assert "not right after a number" in measured_markers("zero <!-- measured: tests/test_docs.py -->")[0]
+    assert measured_markers("`tests/test_docs.py` says 0<!-- measured: tests/test_docs.py -->.") == [
+        "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]  # the path alone runs nothing
