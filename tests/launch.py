@@ -119,12 +119,18 @@ class Launch:
                        f"{path.read_text()[-4000:]}" for path in sorted(found) if path.stat().st_size)
 
     def check(self, name: str) -> list[dict]:
-        """Fail unless the case passed on every rank; return each rank's details."""
+        """Fail unless the case passed on every rank; return each rank's details. A case that returned
+        ``{"not_run": reason}`` on a rank checked nothing there, and fails: a test reads a case only where it runs
+        (``{"skipped": reason}`` is for what the machine lacks, and :func:`case_tests` reports it as a skip)."""
         details = []
         for rank in range(self.world_size):
             record = self.result(name, rank)
             if not record["ok"]:
                 pytest.fail(f"case {name!r} failed on rank {rank}:\n{record['error']}{self.stalls(name)}")
+            if isinstance(record["details"], dict) and "not_run" in record["details"]:
+                pytest.fail(f"case {name!r} did not run on rank {rank} of this {self.world_size}-rank launch"
+                            f" ({record['details']['not_run']}), so it checked nothing. HINT: read it from a launch"
+                            " where it runs, or make the case run here.")
             details.append(record["details"])
         if self.returncode not in (0, None) and not self._a_case_failed():
             pytest.fail(
