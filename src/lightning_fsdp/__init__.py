@@ -22,7 +22,7 @@ def _register() -> None:
 
     from lightning_fsdp import fabric, trainer
 
-    from lightning_fsdp._fronts import dropin, last_checkpoint
+    from lightning_fsdp._fronts import callback_filesystem, dropin, last_checkpoint
     from lightning_fsdp._base.compat import FabricConnector, TrainerConnector
     from lightning_fsdp._fronts.registry import accept_names_on_every_accelerator
 
@@ -32,6 +32,7 @@ def _register() -> None:
     accept_names_on_every_accelerator(TrainerConnector, StrategyRegistry)
     dropin.register()
     last_checkpoint.register()
+    callback_filesystem.register()
 
 
 _register()

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from lightning_fsdp import checkpoint
 from lightning_fsdp._base.compat import BackwardSyncControl as _BackwardSyncControl, FABRIC_SETUP_TAKES_SCHEDULER
 from lightning_fsdp._base.compat import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher, Sharded as _Sharded
+from lightning_fsdp._base.secrets import StorageOptions
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp.engine.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
 from lightning_fsdp.engine.core import FSDPEngine
@@ -97,7 +98,11 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             its error, if any. Ignored (with a warning) for ``state_dict_type="full"``.
         storage_options: keyword arguments for the fsspec filesystem of checkpoint URLs (``s3://``, ``gs://``,
             ``az://``, ...), e.g. ``{"endpoint_url": ...}``; credentials and endpoint otherwise come from the
-            environment as each filesystem reads them. ``save_checkpoint(..., storage_options=...)`` overrides it.
+            environment as each filesystem reads them. ``save_checkpoint(..., storage_options=...)`` and
+            ``load_checkpoint(..., storage_options=...)`` (``fabric_load(..., storage_options=...)``) override it for
+            one call. Keep credentials in the environment or a profile (``{"profile": "name"}``): values under
+            secret-looking keys (``key``, ``secret``, ``token``, ...) are shown as ``***`` in the config's repr,
+            errors and LightningCLI's config dump, and a ``***`` read back is refused.
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
@@ -137,7 +142,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         backward_prefetch: Union[int, str, Enum] = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
-        storage_options: Optional[dict[str, Any]] = None,
+        storage_options: Optional[StorageOptions] = None,  # any dict; the type masks secrets in dumps
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))
@@ -279,7 +284,11 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
         strict: bool = True,
         weights_only: Optional[bool] = None,
+        storage_options: Optional[Any] = None,
     ) -> dict[str, Any]:
+        """Restore ``state`` from ``path``; ``storage_options`` override the strategy's for this one load (Lightning's
+        ``fabric.load`` passes none: reach it with ``lightning_fsdp.fabric_load(..., storage_options=...)``)."""
+        options = self._storage_options(storage_options, "load_checkpoint")
         if not state:
             raise ValueError(
                 f"`{type(self).__name__}.load_checkpoint(..., state={state!r})` needs the objects to restore. HINT:"
@@ -287,7 +296,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             )
         self._background_saves.wait(self._engine)
         return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine,
-                                          storage_options=self._storage_options(None))
+                                          storage_options=options)
 
 class _EngineBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, engine: FSDPEngine) -> None:

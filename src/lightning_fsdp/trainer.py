@@ -45,12 +45,14 @@ from torch.optim import Optimizer
 
 from lightning_fsdp import averaging, checkpoint
 from lightning_fsdp._base.compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_fsdp._base.secrets import StorageOptions
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
     id_keyed_optimizer_state,
 )
+from lightning_fsdp.checkpoint.io.store import store_for
 from lightning_fsdp.checkpoint.io.urls import is_url
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.checkpoint.state import holds_dtensors
@@ -155,7 +157,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         backward_prefetch: Union[int, str] = 1,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
-        storage_options: Optional[dict[str, Any]] = None,
+        storage_options: Optional[StorageOptions] = None,  # any dict; the type masks secrets in dumps
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:
@@ -327,14 +329,19 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
             self._background_saves.wait(self._engine)
         write_sharded(filepath, tensors, checkpoint, self._engine, background, storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None,
+        storage_options: Optional[Any] = None,
+    ) -> dict[str, Any]:
+        # `storage_options` override the strategy's for this one load; the Trainer's own calls pass none.
+        options = self._storage_options(storage_options, "load_checkpoint")
         assert self.model is not None and self.lightning_module is not None
         self._background_saves.wait(self._engine)
         trainer = self.lightning_module.trainer
         keys = set()
         if averaging.averaged_modules(trainer):
             keys = checkpoint.checkpoint_keys(checkpoint_path, weights_only=weights_only, comm=self._engine,
-                                              storage_options=self._storage_options(None))
+                                              storage_options=options)
         models, average, averaged = averaging.load_request(trainer, self.model, keys)
         state: dict[str, Any] = dict(models)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -344,7 +351,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         strict = self.lightning_module.strict_loading
         loaded = checkpoint.load_checkpoint(
             checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine,
-            storage_options=self._storage_options(None),
+            storage_options=options,
         )
         self._restored_checkpoint = averaging.complete_for_callback(loaded, self.model, average, averaged)
         return self._restored_checkpoint
@@ -352,5 +359,12 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints right after the save that supersedes them returns;
         # a background save is not written yet then, so the removal waits for its commit (see `checkpoint.in_flight`).
-        if self.is_global_zero:
-            self._background_saves.remove(filepath if is_url(filepath) else Path(filepath))
+        if not self.is_global_zero:
+            return
+        if not is_url(filepath):
+            self._background_saves.remove(Path(filepath))
+            return
+        # A URL is removed through a store with the strategy's `storage_options`, as it was saved (`remove` alone
+        # would build one from the environment, which may hold no credentials or another endpoint).
+        url, store = str(filepath), store_for(str(filepath), self._storage_options(None))
+        self._background_saves.after_commit(lambda: store.remove(url), f"Removing the superseded checkpoint {url!r}")

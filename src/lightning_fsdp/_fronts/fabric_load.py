@@ -1,10 +1,11 @@
-"""``fabric.load`` with the ``weights_only`` opt-in, on every supported Lightning.
+"""``fabric.load`` with the arguments Lightning's ``Fabric.load`` does not pass on, on every supported Lightning.
 
 Lightning 2.6's ``Fabric.load`` takes ``weights_only`` and passes it to the strategy; Lightning 2.5's takes no such
-argument, so a user of 2.5 could not reach the opt-in to full unpickling that this package's errors name.
-:func:`fabric_load` is ``fabric.load`` on either: on 2.6 it is exactly that call; on 2.5 it runs 2.5's own
-``fabric.load`` (which unwraps the Fabric objects and restores user entries in place) with the strategy's
-``load_checkpoint`` bound to the given ``weights_only`` for that one call.
+argument, so a user of 2.5 could not reach the opt-in to full unpickling that this package's errors name. Neither
+version's ``Fabric.load`` takes ``storage_options`` (the fsspec options of one load from a URL), which the strategy's
+``load_checkpoint`` does. :func:`fabric_load` is ``fabric.load`` with both: with only what Lightning passes itself it
+is exactly that call; otherwise it runs Lightning's own ``fabric.load`` (which unwraps the Fabric objects and restores
+user entries in place) with the strategy's ``load_checkpoint`` bound to the other arguments for that one call.
 """
 
 from __future__ import annotations
@@ -20,22 +21,26 @@ __all__ = ["fabric_load"]
 
 def fabric_load(
     fabric: Any, path: Union[str, Path], state: Optional[dict[str, Any]] = None, strict: bool = True, *,
-    weights_only: Optional[bool] = None,
+    weights_only: Optional[bool] = None, storage_options: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """``fabric.load(path, state, strict, weights_only=weights_only)`` on Lightning 2.5 and 2.6 alike.
+    """``fabric.load(path, state, strict, weights_only=weights_only)`` on Lightning 2.5 and 2.6 alike, with
+    ``storage_options`` (the fsspec options of this one load, overriding the strategy's) when given.
 
     Example (a checkpoint you trust that holds objects beyond tensors)::
 
         from lightning_fsdp import fabric_load
         fabric_load(fabric, "ckpt", {"model": model, "optimizer": optimizer}, weights_only=False)
     """
-    if FABRIC_LOAD_TAKES_WEIGHTS_ONLY or weights_only is None:
-        extra = {} if weights_only is None else {"weights_only": weights_only}
+    bound: dict[str, Any] = {} if storage_options is None else {"storage_options": storage_options}
+    extra: dict[str, Any] = {}
+    if weights_only is not None:
+        (extra if FABRIC_LOAD_TAKES_WEIGHTS_ONLY else bound)["weights_only"] = weights_only
+    if not bound:
         return fabric.load(path, state, strict, **extra)
     strategy = fabric.strategy
     # An instance attribute shadows the method for this one call only; `finally` removes it even if the load fails.
-    strategy.load_checkpoint = functools.partial(type(strategy).load_checkpoint, strategy, weights_only=weights_only)
+    strategy.load_checkpoint = functools.partial(type(strategy).load_checkpoint, strategy, **bound)
     try:
-        return fabric.load(path, state, strict)
+        return fabric.load(path, state, strict, **extra)
     finally:
         del strategy.load_checkpoint

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_fsdp._base.secrets import StorageOptions, mask_secrets
 from lightning_fsdp._fronts.registry import register_into
 from lightning_fsdp.checkpoint.io.urls import check_storage_options
 from lightning_fsdp.engine.config import FSDPConfig, check_fsdp1_kwargs
@@ -82,12 +83,12 @@ class FrontMixin:
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _storage_options(self, storage_options: Optional[Any]) -> Optional[dict[str, Any]]:
-        """The fsspec options of a save or load: ``save_checkpoint``'s own, else the strategy's
-        ``storage_options``. Used for checkpoint URLs only (``s3://...``); a local path ignores them."""
+    def _storage_options(self, storage_options: Optional[Any], method: str = "save_checkpoint") -> Optional[dict[str, Any]]:
+        """The fsspec options of a save, load or removal: the call's own (``method``'s ``storage_options``), else the
+        strategy's. Used for checkpoint URLs only (``s3://...``); a local path ignores them."""
         if storage_options is None:
             return self._engine.config.storage_options_dict
-        return check_storage_options(storage_options, f"{type(self).__name__}.save_checkpoint(..., storage_options)")
+        return check_storage_options(storage_options, f"{type(self).__name__}.{method}(..., storage_options)")
 
     @property
     def communicator(self) -> FSDPEngine:
@@ -115,6 +116,23 @@ class FrontMixin:
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_into(strategy_registry, cls)
+
+
+def _register_storage_options_with_jsonargparse() -> None:
+    """Make LightningCLI's config dump (``config.yaml``, ``--print_config``, a logger's ``config``) mask the
+    credentials in ``storage_options``: the strategies annotate the argument as ``StorageOptions``, and jsonargparse
+    writes a registered type through its serializer. Parsing is unchanged (a YAML mapping stays a dict), and a masked
+    value read back is refused by the config with a hint (``secrets.refuse_masked``). Without jsonargparse there is
+    no LightningCLI, and nothing to register."""
+    try:
+        from jsonargparse.typing import register_type
+    except ImportError:
+        return
+    register_type(StorageOptions, serializer=mask_secrets, deserializer=StorageOptions,
+                  type_check=lambda value, _: isinstance(value, dict))
+
+
+_register_storage_options_with_jsonargparse()
 
 
 def config_arguments(arguments: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 from typing import Any, Literal, Optional, Union
@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.names import import_module_of
+from lightning_fsdp._base.secrets import StorageOptions, hidden, refuse_masked
 from lightning_fsdp.engine.activation_checkpointing import parse_checkpointing_policy
 from lightning_fsdp.engine.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.engine.policy import Policy, PolicyInput, parse_policy
@@ -99,12 +100,13 @@ class FSDPConfig:
     forward_prefetch: int = 0  # units ahead; 0: FSDP2's default (see `prefetch.py`)
     backward_prefetch: int = 1  # units ahead; 1: FSDP2's default
     tensor_parallel: TensorParallel = TensorParallel(1, None)  # see `tensor_parallel.py`
-    # keyword arguments of the fsspec filesystem of checkpoint URLs (see `checkpoint/io/urls.py`); a tuple of pairs,
-    # so the frozen config stays hashable
-    storage_options: Optional[tuple[tuple[str, Any], ...]] = None
+    # keyword arguments of the fsspec filesystem of checkpoint URLs (see `checkpoint/io/urls.py`); a StorageOptions,
+    # whose repr masks credentials, so printing the config never shows them; out of the hash (a dict is not hashable)
+    storage_options: Optional[StorageOptions] = field(default=None, hash=False)
 
     @property
     def storage_options_dict(self) -> Optional[dict[str, Any]]:
+        """A plain copy for fsspec (which must get the real values, not a masking type)."""
         return None if self.storage_options is None else dict(self.storage_options)
 
     @property
@@ -301,16 +303,19 @@ def _parse_choice(argument: str, value: Any, allowed: tuple[str, ...]) -> Any:
     )
 
 
-def _parse_storage_options(value: Any) -> Optional[tuple[tuple[str, Any], ...]]:
+def _parse_storage_options(value: Any) -> Optional[StorageOptions]:
     if value is None:
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        # `hidden`: the message masks credentials (a str value is not shown at all: it may be "key=...,secret=...").
         raise TypeError(bad_argument(
-            "storage_options", value, "None or a dict of keyword arguments for the fsspec filesystem of checkpoint URLs",
-            "Pass e.g. `storage_options={'endpoint_url': 'http://host:9000'}` (YAML: a mapping), or leave it out and"
-            " set the credentials and endpoint in the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+            "storage_options", hidden(value), "None or a dict of keyword arguments for the fsspec filesystem of"
+            " checkpoint URLs",
+            "Pass e.g. `storage_options={'endpoint_url': 'http://host:9000'}` (YAML: a mapping), and keep credentials"
+            " in the environment (AWS_ACCESS_KEY_ID, ...) or a profile (`storage_options={'profile': 'name'}`).",
         ))
-    return tuple(sorted(value.items()))
+    refuse_masked(value, "storage_options")
+    return StorageOptions(value)
 
 
 def _parse_async_save(value: Any, state_dict_type: Any) -> bool:
