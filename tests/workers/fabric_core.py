@@ -211,29 +211,75 @@ def plain_sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.2)
 
 
+def _fp16_run(fabric, steps: int, max_norm=None) -> tuple:
+    """``fsdp_run`` for 16-mixed that also records what parity cannot see: the (weight, output) dtypes of a Linear in
+    each forward, and the global norm of the gradients right after ``fabric.backward``, before anything unscales
+    them (the scaled gradients: ``scale`` times the true ones)."""
+    torch.manual_seed(0)
+    plain = TinyTransformer()
+    model, opt = fabric.setup(plain, plain_sgd(plain))
+    dtypes: list = []
+    hook = model.module.blocks[0].mlp[0].register_forward_hook(
+        lambda mod, args, out: dtypes.append((mod.weight.dtype, out.dtype)))
+    losses, norms, scaled_norms = [], [], []
+    try:
+        for step in range(steps):
+            loss = loss_fn(model, make_batch(step, fabric.global_rank))
+            fabric.backward(loss)
+            scaled_norms.append(torch.stack([full(p.grad).float().norm() for p in model.parameters()]).norm().item())
+            if max_norm is not None:
+                norms.append(fabric.clip_gradients(model, opt, max_norm=max_norm).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    finally:
+        hook.remove()
+    return model, losses, norms, scaled_norms, dtypes
+
+
+def _check_fp16_scaled(scaler, steps: int, scaled_norms, ref_norms, dtypes) -> dict:
+    """16-mixed computed in fp16, and scaled the loss by the scaler's scale: what a run in fp32, or with the loss
+    never scaled, would pass parity with (at 2**8 no fp16 gradient overflows here, so an unscaled run matches)."""
+    assert dtypes and set(dtypes) == {(torch.float16, torch.float16)}, f"a Linear computed with (weight, output) {dtypes}"
+    scale = scaler.get_scale()
+    # fp16 rounding moves the ratio by well under 1% (seen here: below 1e-3); an unscaled loss gives 1/256 of it.
+    ratios = [got / (scale * ref) for got, ref in zip(scaled_norms, ref_norms)]
+    assert all(abs(r - 1) <= 1e-2 for r in ratios), (
+        f"the gradients before unscaling are {ratios} times scale ({scale}) x the reference's: the loss was not scaled")
+    # Every step went through the scaler (`step` and `update`): its count of good steps since the last growth.
+    tracker = scaler.state_dict()["_growth_tracker"]
+    assert tracker == steps, f"the scaler counted {tracker} steps of {steps}: the optimizer step bypassed it"
+    return {"scale": scale, "scaled_over_reference": ratios, "growth_tracker": tracker}
+
+
 @case
 def parity_16_mixed_with_loss_scaler():
     # A modest initial scale keeps fp16 gradients finite, so no step is skipped and the run is comparable with an
     # unscaled fp16-autocast reference.
     scaler = DTensorGradScaler("cpu", init_scale=2.0**8)
     fabric = make_fabric(WORLD, plugins=[FSDPPrecision("16-mixed", scaler=scaler)])
-    model, losses, _ = fsdp_run(fabric, STEPS, make_optimizer=plain_sgd)
+    model, losses, _, scaled_norms, dtypes = _fp16_run(fabric, STEPS)
     assert scaler.get_scale() >= 2.0**8, f"a step was skipped (scale fell to {scaler.get_scale()})"
-    reference, ref_losses, _ = reference_run(STEPS, WORLD, plain_sgd, autocast_dtype=torch.float16)
+    # max_norm=inf: clip_grad_norm_ then only measures the reference's gradient norm, and changes nothing.
+    reference, ref_losses, ref_norms = reference_run(STEPS, WORLD, plain_sgd, autocast_dtype=torch.float16,
+                                                     max_norm=float("inf"))
+    scaled = _check_fp16_scaled(scaler, STEPS, scaled_norms, ref_norms, dtypes)
     # fp16 keeps 11 bits of mantissa. Observed here: 1.7e-4 on the loss, 5e-5 on the parameters.
-    return compare(model, reference, losses, ref_losses, atol=1e-3)
+    return {**compare(model, reference, losses, ref_losses, atol=1e-3), **scaled}
 
 
 @case
 def clip_gradients_norm_unscales_first_under_16_mixed():
     scaler = DTensorGradScaler("cpu", init_scale=2.0**8)
     fabric = make_fabric(WORLD, plugins=[FSDPPrecision("16-mixed", scaler=scaler)])
-    model, losses, norms = fsdp_run(fabric, 2, make_optimizer=plain_sgd, max_norm=0.5)
+    model, losses, norms, scaled_norms, dtypes = _fp16_run(fabric, 2, max_norm=0.5)
     reference, ref_losses, ref_norms = reference_run(2, WORLD, plain_sgd, autocast_dtype=torch.float16, max_norm=0.5)
-    # Without unscaling, the norm would be 256 times the reference.
+    scaled = _check_fp16_scaled(scaler, 2, scaled_norms, ref_norms, dtypes)
+    # Without unscaling, the norm would be 256 times the reference (the check above shows the loss was scaled).
     for got, expected in zip(norms, ref_norms):
         assert abs(got - expected) <= 1e-2 * expected, (norms, ref_norms)
-    return {"norms": norms, "reference": ref_norms}
+    assert all(n > 0.5 for n in ref_norms), f"clipping never triggered: {ref_norms}"
+    return {"norms": norms, "reference": ref_norms, **scaled}
 
 
 @case
