@@ -579,3 +579,37 @@ def test_unmarked_figures_are_found():
     assert "not right after a number" in measured_markers("zero <!-- measured: tests/test_docs.py -->")[0]
     assert measured_markers("`tests/test_docs.py` says 0<!-- measured: tests/test_docs.py -->.") == [
         "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]  # the path alone runs nothing
+
+
+def test_object_storage_guide_says_the_requests_a_load_makes(s3_server, monkeypatch, tmp_path):
+    """The guide's load sentence is what a load sends to S3, counted by botocore's own event for each request: on
+    COMMIT a HEAD (s3fs asks the size first) and a GET, then one GET per object the COMMIT names, and an object over
+    the read size in ranged GETs of that size (the size is made small here so that the test stays small)."""
+    from lightning_fsdp.checkpoint.io import remote
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+
+    s3_server.setenv(monkeypatch)
+    monkeypatch.setattr(remote, "_RANGE", 4096)
+    url = f"s3://{s3_server.bucket()}/run/step-1"
+    sizes = {".metadata": 100, "__0_0.distcp": 3 * 4096 + 1, "meta.pt": 50, "checksums.json": 60}
+    store = remote.FsspecStore("s3", None)
+    staged = store.staging(url, "0a1b2c3d4e5f", 0)
+    staged.mkdir()
+    for name, size in sizes.items():
+        (staged / name).write_bytes(os.urandom(size))
+    store.commit(staged, url, OneProcess())
+
+    sent = []
+    reader = remote.FsspecStore("s3", None)  # a client of its own, as a new job has
+    reader.fs.connect()
+    reader.fs.s3.meta.events.register(
+        "before-parameter-build.s3", lambda model, params, **_: sent.append((model.name, params.get("Key", "").rsplit("/")[-1])))
+    with reader.open_committed(url, OneProcess()) as local:
+        assert sorted(p.name for p in local.iterdir()) == sorted(sizes)
+    assert [s for s in sent if s[1] == "COMMIT"] == [("HeadObject", "COMMIT"), ("GetObject", "COMMIT")], sent
+    objects = [s for s in sent if s[1] != "COMMIT"]
+    assert sorted(objects) == sorted([("GetObject", n) for n in sizes if n != "__0_0.distcp"]
+                                     + [("GetObject", "__0_0.distcp")] * 4), sent  # 3 * 4096 + 1 bytes: 4 ranges
+    guide = " ".join((ROOT / "docs" / "guides" / "object-storage.md").read_text().split())
+    assert "on rank 0, 1 HEAD and 1 GET of `COMMIT`" in guide
+    assert "one GET for every object the `COMMIT` names" in guide and "ranged GETs" in guide
