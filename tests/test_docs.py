@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -593,7 +594,7 @@ def test_object_storage_guide_says_the_requests_a_load_makes(s3_server, monkeypa
     url = f"s3://{s3_server.bucket()}/run/step-1"
     sizes = {".metadata": 100, "__0_0.distcp": 3 * 4096 + 1, "meta.pt": 50, "checksums.json": 60}
     store = remote.FsspecStore("s3", None)
-    staged = store.staging(url, "0a1b2c3d4e5f", 0)
+    staged = store.staging(url, uuid.uuid4().hex[:12], 0)  # in the shared temporary folder: a token of its own
     staged.mkdir()
     for name, size in sizes.items():
         (staged / name).write_bytes(os.urandom(size))
