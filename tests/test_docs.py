@@ -582,7 +582,7 @@ def test_unmarked_figures_are_found():
         "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]  # the path alone runs nothing
 
 
-def test_object_storage_guide_says_the_requests_a_load_makes(s3_server, monkeypatch, tmp_path):
+def test_object_storage_guide_says_the_requests_a_load_makes(s3_server, monkeypatch):
     """The guide's load sentence is what a load sends to S3, counted by botocore's own event for each request: on
     COMMIT a HEAD (s3fs asks the size first) and a GET, then one GET per object the COMMIT names, and an object over
     the read size in ranged GETs of that size (the size is made small here so that the test stays small)."""
