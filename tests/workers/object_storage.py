@@ -10,7 +10,7 @@ import uuid
 import torch
 
 from common import full_params, make_fabric, same_tensors, train_steps
-from harness import case, run_cases
+from harness import TIMEOUT, case, run_cases
 from models import TinyTransformer
 
 WORLD = 2
@@ -33,12 +33,13 @@ def _s3():
     return s3fs.S3FileSystem(skip_instance_cache=True)
 
 
-def _round_trip(state_dict_type: str, async_save: bool = False) -> dict:
+def _round_trip(state_dict_type: str, async_save: bool = False, after_save=lambda: None) -> dict:
     fabric = make_fabric(WORLD, state_dict_type=state_dict_type, async_save=async_save)
     model, opt = _setup(fabric)
     train_steps(fabric, model, opt, 2)
     url = _url(fabric, "step-2")
     fabric.save(url, {"model": model, "optimizer": opt, "step": 2})
+    after_save()  # called once the save has returned
     fabric.strategy.wait_for_saves()
     expected = full_params(model)
     model2, opt2 = _setup(fabric, seed=1)
@@ -69,7 +70,33 @@ def full_save_and_load_in_a_bucket_are_exact():
 
 @case
 def async_save_to_a_bucket_uploads_in_the_background_and_loads_exactly():
-    return _round_trip("sharded", async_save=True)
+    """Each rank's upload waits until ``fabric.save`` has returned on that rank, so a save that returned with its
+    upload done fails here: an upload on the saving thread is seen at once, one on a thread that the save waits for
+    keeps the gate shut until the process group's timeout. Then the round trip is exact."""
+    import threading
+
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    released, uploads, saving = threading.Event(), [], threading.get_ident()
+    store = store_for(f"s3://{BUCKET}/any")  # the one store of this process for s3:// without options: the save's
+    put = store.fs.put
+
+    def gated_put(*args, **kwargs):
+        if threading.get_ident() == saving:  # waiting here would wait for ourselves
+            uploads.append("on the saving thread, before the save returned")
+        elif released.wait(timeout=TIMEOUT.total_seconds()):
+            uploads.append("in the background, finished after the save returned")
+        else:
+            uploads.append(f"in the background, but the save had not returned after {TIMEOUT}: it waited for it")
+        return put(*args, **kwargs)
+
+    store.fs.put = gated_put
+    try:
+        details = _round_trip("sharded", async_save=True, after_save=released.set)
+    finally:
+        store.fs.put = put
+    assert uploads and set(uploads) == {"in the background, finished after the save returned"}, uploads
+    return {**details, "uploads": uploads}
 
 
 @case
