@@ -45,6 +45,7 @@ from lightning_fsdp.checkpoint.convert import (
     export_prefix,
     open_checkpoint,
     parse_size,
+    source_commit_order,
 )
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
@@ -115,7 +116,14 @@ def _parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser("convert", help="convert a checkpoint to another format",
                                description="Convert between full and sharded checkpoints, or export model weights"
-                                           " to safetensors. Streams tensors; DST appears only once complete.")
+                                           " to safetensors. Streams tensors; DST appears only once complete. A"
+                                           " converted checkpoint keeps SRC's commit order (the order `latest`,"
+                                           " resume and retention follow): a copy is not a new save, so it does not"
+                                           " become the newest checkpoint where it lands; a SRC that records none"
+                                           " gives a DST that records none (it sorts by step). A safetensors export"
+                                           " to a URL stays a plain Hugging Face folder; --overwrite replaces the"
+                                           " previous export's files (entry point last, then its old shards), and"
+                                           " leaves every other file there.")
     conv.add_argument("src", metavar="SRC", help="a full checkpoint file or a sharded checkpoint directory")
     conv.add_argument("dst", metavar="DST", help="where to write the result")
     conv.add_argument("--to", required=True, choices=FORMATS,
@@ -263,15 +271,18 @@ def _cut_short_zip(path: str) -> bool:
 
 def _convert(args: argparse.Namespace) -> int:
     with _readable(args.src, _options(args)) as local:
+        # The order is read where the source is (a URL's COMMIT), not from the local copy of its objects.
+        order = None if args.to == "safetensors" else source_commit_order(args.src, _options(args))
         if not is_url(args.dst):
-            return _convert_local(args, local, args.dst)
-        return _convert_to_url(args, local)
+            return _convert_local(args, local, args.dst, commit_order=order)
+        return _convert_to_url(args, local, order)
 
 
-def _convert_to_url(args: argparse.Namespace, source: str) -> int:
+def _convert_to_url(args: argparse.Namespace, source: str, order: Optional[int]) -> int:
     """Convert into a local staging copy, then hand it to DST's store: full and sharded checkpoints commit there as a
-    save does (whole or not at all; an existing one stays until the new one commits); a safetensors export is plain
-    objects, as Hugging Face's loaders read them, its index written last."""
+    save does (whole or not at all; an existing one stays until the new one commits), recording the source's commit
+    order; a safetensors export is plain objects, as Hugging Face's loaders read them, its entry point written last
+    (:mod:`lightning_fsdp.checkpoint.convert`)."""
     options = _options(args)
     store = store_for(args.dst, options)
     target = store.target(args.dst)
@@ -284,38 +295,23 @@ def _convert_to_url(args: argparse.Namespace, source: str) -> int:
                          " new checkpoint commits), or choose another DST.")
     staged = store.staging(target, uuid.uuid4().hex[:16], 0)
     try:
-        _convert_local(args, source, str(staged), report=False)
+        _convert_local(args, source, str(staged), report=False, commit_order=order)
     except BaseException:
         store.discard(staged, 0)
         raise
-    store.commit(staged, target, comm)  # removes the staged copy, committed or not
+    store.commit(staged, target, comm, commit_order=order)  # removes the staged copy, committed or not
     print(f"wrote {target} ({args.to})")
     return 0
 
 
 def _export_to_url(args: argparse.Namespace, source: str, target: str, options: Optional[dict[str, Any]]) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from lightning_fsdp.checkpoint.io.urls import filesystem, join
-
-    fs = filesystem(target, options)
-    if fs.exists(target) and not args.overwrite:
-        raise UsageError(f"DST {target!r} already exists. HINT: pass --overwrite to replace it, or choose another"
-                         " DST.")
-    with tempfile.TemporaryDirectory(prefix="lightning-fsdp-export-") as root:
-        local = Path(root) / target.rstrip("/").rsplit("/", 1)[-1]
-        _convert_local(args, source, str(local), report=False)
-        files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
-        # The index last: a reader that finds it finds every shard it names.
-        files.sort(key=lambda p: p.name.endswith(".index.json"))
-        for file in files:
-            fs.put_file(str(file), join(target, file.relative_to(local).as_posix()) if local.is_dir() else target)
+    _convert_local(args, source, target, report=False, commit_order=None, storage_options=options)
     print(f"wrote {target} ({args.to})")
     return 0
 
 
-def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = True) -> int:
+def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = True, *, commit_order: Optional[int],
+                   storage_options: Optional[dict[str, Any]] = None) -> int:
     source: Any = src
     prefix, what = args.strip_prefix, ""
     if args.to == "safetensors":
@@ -327,7 +323,7 @@ def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = 
     try:
         target = convert(source, dst, to=args.to, max_shard_size=args.max_shard_size, model=args.model,
                          overwrite=args.overwrite, allow_pickle=args.allow_pickle, progress=bar,
-                         strip_prefix=prefix)
+                         strip_prefix=prefix, commit_order=commit_order, storage_options=storage_options)
     except OSError as err:
         if err.filename is None and err.errno is not None:  # DCP's writers report a full disk without the file
             raise OSError(err.errno, f"{err.strerror} while writing {args.dst!r}") from err

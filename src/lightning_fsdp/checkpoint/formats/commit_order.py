@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-__all__ = ["COMMIT_ORDER_KEY", "next_commit_order", "commit_order_value", "order_key"]
+__all__ = ["COMMIT_ORDER_KEY", "NEW", "next_commit_order", "order_to_record", "commit_order_value", "order_key"]
 
 COMMIT_ORDER_KEY = "commit_order"
+NEW = "new"
+"""A writer's ``commit_order=`` default: record a new value (:func:`next_commit_order`) as it commits, as a save
+does. A convert passes its source's value instead (an int, or None to record none), so the copy keeps the source's
+place in the commit order rather than becoming the newest checkpoint."""
 
 _lock = threading.Lock()
 _last = 0
@@ -40,6 +44,17 @@ def next_commit_order() -> int:
     with _lock:
         _last = max(time.time_ns(), _last + 1)
         return _last
+
+
+def order_to_record(commit_order: Union[int, None, str] = NEW) -> Optional[int]:
+    """What a writer given ``commit_order=`` records: a new value for :data:`NEW`, else the value given."""
+    if commit_order == NEW:
+        return next_commit_order()
+    if commit_order is not None and (not isinstance(commit_order, int) or isinstance(commit_order, bool)
+                                     or commit_order < 0):
+        raise ValueError(f"Invalid commit_order={commit_order!r}. Allowed: {NEW!r}, None or an int >= 0. HINT: pass"
+                         " the value a checkpoint records (`commit_order_of(path)`).")
+    return commit_order
 
 
 def commit_order_value(record: Any) -> Optional[int]:

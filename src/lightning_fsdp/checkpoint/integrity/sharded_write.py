@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 
-from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, next_commit_order
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, order_to_record
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.formats.torch_versions import MANIFEST_KEY
 from lightning_fsdp.checkpoint.integrity import digests
@@ -110,8 +110,10 @@ class _DigestingFileSystem(RecordingFileSystem):
 class ChecksumWriter(dcp.FileSystemWriter):
     """DCP's file writer that also records a digest per item (see the module docstring)."""
 
-    def __init__(self, path: Union[str, Path], *, save_id: str, algorithm: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, path: Union[str, Path], *, save_id: str, algorithm: Optional[str] = None,
+                 commit_order: Union[int, None, str] = NEW, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
+        self._commit_order = commit_order  # a convert keeps its source's (see `commit_order.NEW`)
         self._save_id = self.save_id = save_id
         self._algorithm = algorithm or digests.ALGORITHM
         # A disk that fills inside one of DCP's `torch.save` records raises only "unexpected pos"; the recording file
@@ -173,7 +175,7 @@ class ChecksumWriter(dcp.FileSystemWriter):
             seed_of, new_hasher = ALGORITHMS[self._algorithm]
             files = file_digests(Path(self.path), lambda: new_hasher(seed_of(self._save_id)))
             manifest = {"format": MANIFEST_FORMAT, "algorithm": self._algorithm, "save_id": self._save_id,
-                        "items": items, "files": files, COMMIT_ORDER_KEY: next_commit_order(),
+                        "items": items, "files": files, COMMIT_ORDER_KEY: order_to_record(self._commit_order),
                         MANIFEST_KEY: torch.__version__}  # names the writer if a later, older torch cannot read it
             with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
                 json.dump(manifest, file)

@@ -15,7 +15,7 @@ from typing import IO, Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, next_commit_order
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, order_to_record
 from lightning_fsdp.checkpoint.integrity import digests
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.integrity.digests import (
@@ -32,7 +32,8 @@ __all__ = ["RecordDigests", "verify_zip", "verify_loaded", "LoadVerifier"]
 class RecordDigests:
     """The full writer's extra record: a digest of each tensor record, taken from the bytes as they are written."""
 
-    def __init__(self, algorithm: Optional[str] = None) -> None:
+    def __init__(self, algorithm: Optional[str] = None, commit_order: Union[int, None, str] = NEW) -> None:
+        self.commit_order = commit_order  # a convert keeps its source's (see `commit_order.NEW`)
         self.algorithm = algorithm or digests.ALGORITHM
         self._new_hasher = ALGORITHMS[self.algorithm][1]
         self._digests: dict[str, int] = {}
@@ -50,7 +51,7 @@ class RecordDigests:
     def payload(self) -> bytes:
         # Written last, as the archive is finished: it also records the save's commit order (`commit_order`).
         return json.dumps({"algorithm": self.algorithm, "records": self._digests,
-                           COMMIT_ORDER_KEY: next_commit_order()}).encode()
+                           COMMIT_ORDER_KEY: order_to_record(self.commit_order)}).encode()
 
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length

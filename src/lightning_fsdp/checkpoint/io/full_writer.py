@@ -22,13 +22,14 @@ import io
 import pickle
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_fsdp._base.compat import legacy_storage_type, open_zipfile_writer, rebuild_tensor, rebuild_tensor_with_dtype
+from lightning_fsdp.checkpoint.formats.commit_order import NEW
 from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
 from lightning_fsdp.checkpoint.integrity.tree import map_leaves
 from lightning_fsdp.checkpoint.integrity.write_errors import WriteRecorder, first_explaining, raise_explained
@@ -44,10 +45,12 @@ def write_full_checkpoint(path: Path, obj: Any, *, is_writer: bool) -> None:
     write_streaming(path if is_writer else None, obj, _gather)
 
 
-def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tensor], Tensor]) -> None:
+def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tensor], Tensor],
+                    commit_order: Union[int, None, str] = NEW) -> None:
     """Core of the streaming writer. ``materialize`` turns each tensor of ``obj`` into a CPU tensor when its turn
     comes (gathering, reading from disk, ...); with ``path=None`` it still runs, for its collectives, and nothing is
-    written."""
+    written. ``commit_order``: what the checksums record records (a convert keeps its source's, see
+    :data:`~lightning_fsdp.checkpoint.formats.commit_order.NEW`)."""
     skeleton, tensors = _skeletonize(obj)
     if path is None:
         for tensor in tensors:
@@ -65,7 +68,8 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # The archive goes through a Python file object, not a path: a failed write then surfaces as the OSError that
     # says why (torch's writer raises "unexpected pos" with the OSError as its context), and the file is closed on
     # every exit, so a failed save's deleted staging file does not keep its disk space until the process ends.
-    digests = RecordDigests()  # a fast digest of each tensor record, hashed while its bytes are in the cache
+    # A fast digest of each tensor record, hashed while its bytes are in the cache.
+    digests = RecordDigests(commit_order=commit_order)
     trim = TrimAfter()
     try:
         with open_zipfile_writer(stream) as writer:

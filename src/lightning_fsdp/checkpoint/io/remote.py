@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch.distributed as dist
 import xxhash
 
-from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, commit_order_value, next_commit_order
+from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, commit_order_value, order_to_record
 from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
@@ -146,9 +146,10 @@ class FsspecStore:
                                     " HINT: choose another path, or move those objects elsewhere.")
 
     def commit(self, staged: Any, target: Any, comm: Communicator, group: Any = None,
-               failure: Optional[BaseException] = None) -> None:
+               failure: Optional[BaseException] = None, commit_order: Union[int, None, str] = NEW) -> None:
         """Upload every rank's staged files, agree that all arrived, then rank 0 writes COMMIT. ``failure``: this
-        rank's write failed (a background save); it still takes part, so no rank waits for it."""
+        rank's write failed (a background save); it still takes part, so no rank waits for it. ``commit_order``:
+        what COMMIT records (a convert keeps its source's, see ``commit_order.NEW``)."""
         staged, target = Path(staged), str(target)
         token = _token_of(staged)
 
@@ -164,7 +165,8 @@ class FsspecStore:
                 objects.update(part)
             kind = "sharded" if staged.is_dir() else "full"  # rank 0's staged save says (only rank 0 commits)
             together(comm, f"Committing the checkpoint {target!r}",
-                     lambda: self._write_commit(target, token, objects, kind) if comm.global_rank == 0 else None)
+                     lambda: self._write_commit(target, token, objects, kind, commit_order)
+                     if comm.global_rank == 0 else None)
         except BaseException:
             if comm.global_rank == 0:
                 with contextlib.suppress(Exception):  # best effort: the next save to this path removes them too
@@ -195,8 +197,9 @@ class FsspecStore:
             self.fs.put([str(f) for f in files], [join(target, "." + token, n) for n in names])
         return objects
 
-    def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str) -> None:
-        payload = encode_record(build_record(token, kind, basename(target), objects, next_commit_order()))
+    def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str,
+                      commit_order: Union[int, None, str] = NEW) -> None:
+        payload = encode_record(build_record(token, kind, basename(target), objects, order_to_record(commit_order)))
         url = join(target, COMMIT_NAME)
         self._retrying(target, "committing", lambda: self._put_commit(url, payload))
 

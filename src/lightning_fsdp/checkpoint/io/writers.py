@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_fsdp.checkpoint.formats.commit_order import NEW
 from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.formats.safetensors_stream import SafetensorsItem, ordered, write_file
 from lightning_fsdp.checkpoint.integrity.digests import new_save_id
@@ -44,9 +45,11 @@ Progress = Callable[[int, int], None]
 """Called with (bytes written, bytes in total) as tensors are written."""
 
 
-def write_full(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress]) -> None:
+def write_full(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress],
+               commit_order: Union[int, None, str] = NEW) -> None:
     """Stream tensors into one torch.save file: the skeleton holds meta-device stand-ins, and each one is read
-    from the source only when the writer reaches it."""
+    from the source only when the writer reaches it. ``commit_order``: what the file records (a convert passes its
+    source's, :data:`~lightning_fsdp.checkpoint.formats.commit_order.NEW`)."""
     entries = checkpoint.tensors()
     stand_ins: dict[int, TensorEntry] = {}
 
@@ -72,10 +75,11 @@ def write_full(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress
         meter.add(entry)
         return value
 
-    write_streaming(staged, {**skeleton, **checkpoint.metadata}, materialize)
+    write_streaming(staged, {**skeleton, **checkpoint.metadata}, materialize, commit_order)
 
 
-def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress]) -> None:
+def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progress],
+                  commit_order: Union[int, None, str] = NEW) -> None:
     assert isinstance(checkpoint, _FullCheckpoint)  # the only other format, checked by `convert`
     contents = checkpoint.load()  # memory-mapped: DCP touches each tensor only as it writes it
     if checkpoint.bare:
@@ -86,7 +90,8 @@ def write_sharded(checkpoint: Checkpoint, staged: Path, progress: Optional[Progr
     save_file(checkpoint.metadata, staged / METADATA_FILENAME)  # first: DCP's last step binds it to the save
     planner = _StreamingSavePlanner(meter)
     with _single_process():
-        dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id()), planner=planner, no_dist=True)
+        dcp.save(state, storage_writer=ChecksumWriter(staged, save_id=new_save_id(), commit_order=commit_order),
+                 planner=planner, no_dist=True)
 
 
 class _StreamingSavePlanner(dcp.DefaultSavePlanner):
