@@ -1,7 +1,8 @@
 """Every reader of checkpoint bytes ends in one clear error naming the file, for any bytes (issue 26).
 
 Real files are written once, in this process (a sharded checkpoint of one rank: ``.metadata``, ``meta.pt``,
-``checksums.json``; a full ``.pt`` file; a safetensors file), then mutated with a fixed seed and a bounded count:
+``checksums.json``; a full ``.pt`` file; a safetensors file; the ``COMMIT`` object a save to object storage writes
+last), then mutated with a fixed seed and a bounded count:
 byte flips, truncations (at every offset for the small files), insertions, pickle opcode swaps, huge length fields,
 JSON values of the wrong type, an empty file. Each reader is handed each mutation. What counts as a pass:
 
@@ -40,6 +41,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from lightning_fsdp.checkpoint.formats.commit_record import build_record, encode_record, parse_record
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata, load_file
@@ -86,7 +88,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
         write_sharded(root / "sharded", {"model": dict(model.state_dict())}, {"step": 3, "note": "x"}, _OneProcess())
     write_full(root / "full.pt", {"model": model.state_dict(), "step": 3}, _OneProcess())
     save_file(dict(model.state_dict()), str(root / "model.safetensors"))
-    return {"sharded": root / "sharded", "full": root / "full.pt", "safetensors": root / "model.safetensors"}
+    # The COMMIT a save of that checkpoint to object storage writes (remote.py's `_upload` and `_write_commit`).
+    import xxhash
+
+    objects = {p.name: [p.stat().st_size, xxhash.xxh3_64_intdigest(p.read_bytes())]
+               for p in sorted((root / "sharded").iterdir())}
+    (root / "remote").mkdir()
+    record = build_record("0123456789ab", "sharded", "step-3", objects, 1_700_000_000_000_000_000)
+    (root / "remote" / "COMMIT").write_bytes(encode_record({**record, "time": 1_700_000_000.5}))  # fixed bytes
+    return {"sharded": root / "sharded", "full": root / "full.pt", "safetensors": root / "model.safetensors",
+            "commit": root / "remote"}
 
 
 # ------------------------------------------------------------------------------------------------- the readers
@@ -151,6 +162,17 @@ def _read_sharded(directory: Path, original: Path) -> None:
     saved = _model().weight
     assert torch.equal(model.weight.full_tensor(), saved) and rest == {"step": 3, "note": "x"}, \
         "the load returned other values without raising"
+
+
+def _read_commit(directory: Path, original: Path) -> None:
+    """The COMMIT reader of object storage (through the store, as a load reads it; the filesystem here is the local
+    one): the saved record, or one damage error naming the COMMIT. Its names decide where a load writes, so a record
+    other than the saved one is a failure even when it is well formed."""
+    from lightning_fsdp.checkpoint.io.remote import FsspecStore
+
+    record = FsspecStore("file", None).read_commit(str(directory))
+    assert record == parse_record((original / "COMMIT").read_bytes(), str(original)), \
+        f"the COMMIT reader returned another record without raising: {str(record)[:300]}"
 
 
 def _read_safetensors(file: Path, original: Path) -> None:
@@ -258,6 +280,33 @@ _HEADER_TYPES = [
     lambda v: {**v, "__metadata__": {"a": 1}}, lambda v: {**v, "__metadata__": []},
     lambda v: {k: {**e, "dtype": "F33"} for k, e in v.items()},
 ]
+
+
+_COMMIT_TYPES = [
+    lambda v: [1], lambda v: "x", lambda v: 7, _set(("objects",), [1]), _set(("objects",), None),
+    _set(("objects",), {"/abs/site-packages/x.pth": [1, None]}), _set(("objects",), {"../../../x.pth": [1, None]}),
+    _set(("objects",), {"a\\b": [1, None]}), _set(("objects",), {"a/./b": [1, None]}), _set(("objects",), {"": [1, 2]}),
+    _set(("objects",), {"a\u0000b": [1, None]}), _set(("objects",), {"C:x": [1, None]}), _set(("name",), ".."),
+    _set(("name",), "a/b"), _set(("token",), "../x"), _set(("token",), None), _set(("kind",), 1),
+    _set(("objects",), {"a": [-1, None]}), _set(("objects",), {"a": [2**70, None]}),
+    _set(("objects",), {"a": ["1", None]}),
+    _set(("objects",), {"a": [1, "d"]}), _set(("objects",), {"a": [1]}), _set(("commit_order",), -1),
+    _set(("commit_order",), "1"), _set(("time",), None), _set(("version",), "1"), _set(("format",), "x"),
+]
+
+
+def _commit_mutations(data: bytes) -> list[tuple[str, bytes]]:
+    """Each JSON variant twice: with its digest made again (the field checks must refuse it) and without one (a
+    record as the previous release wrote it, still read when every field passes)."""
+    cases = []
+    for name, mutated in _json_mutations(data, _COMMIT_TYPES):
+        value = json.loads(mutated)
+        if not isinstance(value, dict):
+            cases.append((name, mutated))
+            continue
+        value.pop("digest", None)
+        cases += [(f"{name}-digest", encode_record(value)), (f"{name}-no-digest", json.dumps(value).encode())]
+    return cases
 
 
 def _safetensors_with_header(data: bytes, header: bytes) -> bytes:
@@ -428,7 +477,25 @@ def test_a_manifest_whose_file_name_is_damaged_names_the_manifest(files, tmp_pat
     fuzz = _Fuzz(tmp_path, "checksums", _read_checksums, files["sharded"], "checksums.json")
     data = fuzz.data
     assert b'".metadata"' in data, data[:300]
-    fuzz.run("renamed-.metadata", data.replace(b'".metadata"', b'".me\u0014adata"', 1))
+    # One flipped byte of the `t`: to a printable one (`t` ^ 0x01 is `u`), the manifest still parses and names a file
+    # no save records, the case CI met; to the byte 0x14 (`t` ^ 0x60), a control character JSON refuses raw. And the
+    # six characters `\u0014` (the JSON escape of that byte), with which the manifest parses into a name holding it.
+    for name, renamed in (("printable", b'".meuadata"'), ("byte-0x14", b'".me\x14adata"'),
+                          ("json-escape", rb'".me\u0014adata"')):
+        fuzz.run(f"renamed-.metadata-{name}", data.replace(b'".metadata"', renamed, 1))
+    fuzz.check()
+
+
+def test_commit_record(files, tmp_path):
+    """The COMMIT object (issue 45 item 1, issue 42 item 5): untrusted bytes whose names a load joins onto a folder."""
+    fuzz = _Fuzz(tmp_path, "commit", _read_commit, files["commit"], "COMMIT")
+    data = fuzz.data
+    cases = _byte_mutations(data, random.Random(SEED + 6), every_truncation=True) + _commit_mutations(data)
+    huge = b'"objects": {"x": [' + b"9" * 5000 + b", null], "
+    cases += [("deep", b"[" * 100_000 + b"]" * 100_000), ("huge-int", data.replace(b'"objects": {', huge, 1)),
+              ("twice", data[:-1] + b', "kind": "full"}')]
+    for name, mutated in cases:
+        fuzz.run(name, mutated)
     fuzz.check()
 
 
@@ -467,6 +534,7 @@ _CORPUS_READERS: dict[str, tuple[Callable[[Path, Path], None], Callable[[dict], 
     "meta": (_read_torch_file, lambda f: f["sharded"] / "meta.pt", ""),
     "checksums": (_read_checksums, lambda f: f["sharded"], "checksums.json"),
     "safetensors": (_read_safetensors, lambda f: f["safetensors"], ""),
+    "commit": (_read_commit, lambda f: f["commit"], "COMMIT"),
 }
 _CORPUS = sorted(CORPUS.glob("*/*.bin"))
 
@@ -487,7 +555,8 @@ _SAVE_ID = re.compile(rb"lightning-fsdp:bound:[0-9a-f]{32}")
 
 def test_corpus_is_there():
     """The regression corpus is replayed above; an empty glob would pass by running nothing."""
-    assert {p.parent.name for p in _CORPUS} >= {"metadata", "sharded-.metadata", "full", "checksums", "safetensors"}
+    assert {p.parent.name for p in _CORPUS} >= {"metadata", "sharded-.metadata", "full", "checksums", "safetensors",
+                                                "commit"}
 
 
 # ------------------------------------------------------------------------------------------ the command line

@@ -20,7 +20,8 @@ It runs in one process, without a process group, and streams tensors (see :mod:`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
 path, an existing DST without ``--overwrite``, a bad option, a file whose bytes do not parse), with one line on
 stderr that names the problem and the fix; 1 when the system fails the conversion (a full disk, a permission), or when ``inspect --verify`` finds
-any file damaged (bytes that do not match their checksums, a full file cut short) or missing, also as one line; 130 when interrupted.
+any file damaged (bytes that do not match their checksums, a full file cut short) or missing, or when a checkpoint
+URL's ``COMMIT`` object is damaged (any command), also as one line; 130 when interrupted.
 A DST is only ever replaced by a complete conversion, so a failed or interrupted one leaves it as it was.
 
 The progress bar (tqdm) goes to stderr while ``convert`` runs, when stderr is a terminal and the conversion takes
@@ -65,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UsageError as err:
         return _fail(str(err), 2)
     except CheckpointError as err:  # bytes that do not parse: its message names the file and the fix
-        return _fail(str(err), 2)
+        return _fail(str(err), 1 if _damaged_commit(err) else 2)
     except OSError as err:
         if "HINT:" in str(err):  # a store's error: it names the URL and the fix already
             return _fail(_said(err), getattr(err, "cli_status", 1))
@@ -73,6 +74,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                      " space, then run the command again.", 1)
     except KeyboardInterrupt:
         return _fail("interrupted; no output was changed.", 130)
+
+
+def _damaged_commit(err: BaseException) -> bool:
+    """A checkpoint's COMMIT object found damaged (cut short, flipped, edited, crafted): damage, status 1, as a failed
+    verification is; the store's error is chained to the reader's (once more where every rank raised it)."""
+    from lightning_fsdp.checkpoint.formats.commit_record import CommitRecordError
+
+    seen: Optional[BaseException] = err
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, CommitRecordError):
+            return seen.damage
+        seen = seen.__cause__
+    return False
 
 
 def _said(err: OSError) -> str:

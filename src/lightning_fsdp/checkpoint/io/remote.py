@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -212,14 +213,26 @@ class FsspecStore:
     # --- reading --------------------------------------------------------------------------------------------
 
     def read_commit(self, target: str) -> Optional[dict[str, Any]]:
-        """What ``target``'s COMMIT records, or None when there is none (no checkpoint, or one never committed)."""
+        """What ``target``'s COMMIT records, checked field by field (:func:`parse_record`), or None when there is
+        none (no checkpoint, or one never committed). A COMMIT that is not a record a save wrote (cut short, flipped,
+        edited, crafted) is damage: a ``ChecksumError`` naming its URL, raised before anything it names is fetched,
+        and never retried (retrying reads the same bytes)."""
+        from lightning_fsdp.checkpoint.formats.commit_record import CommitRecordError
+        from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
+        from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+
         def read() -> Optional[dict[str, Any]]:
             url = join(target, COMMIT_NAME)
             try:
                 payload = self.fs.cat_file(url)
             except FileNotFoundError:
                 return None
-            return parse_record(payload, url)
+            try:
+                return parse_record(payload, url)
+            except CommitRecordError as err:  # its message names the URL and the fix; a newer record is no damage
+                if err.damage:
+                    raise ChecksumError(str(err)) from err
+                raise CheckpointError(str(err)) from err
         return self._retrying(target, "reading", read)
 
     @contextlib.contextmanager
@@ -254,23 +267,52 @@ class FsspecStore:
             shutil.rmtree(root, ignore_errors=True)
 
     def _download(self, target: str, record: dict[str, Any], local: Path) -> None:
+        """Fetch the objects ``record`` names into ``local``, inside the load's own temporary folder
+        (``local.parent``, new and empty). Every destination is checked before the first byte is fetched."""
+        from lightning_fsdp.checkpoint.formats.commit_record import safe_object_name
+
         prefix = join(target, "." + record["token"])
         objects = record["objects"]
         sharded = record.get("kind") == "sharded"
+        # Defence in depth: parse_record already refused unsafe names on the rank that read COMMIT. Here every rank
+        # checks again what it writes: the name, then where it resolves (a `..` or a symbolic link on the way would
+        # lead out of the folder), and no symbolic link is followed or written through.
+        root = local.parent.resolve()
+
+        def place_of(name: str) -> Path:
+            place = local / name if sharded else local
+            resolved = Path(os.path.realpath(place))
+            if safe_object_name(name) is not None or "/" in local.name or root not in resolved.parents:
+                raise damaged(join(prefix, name), f"its commit puts it at {str(place)!r}, outside the load's folder"
+                              f" {str(root)!r}")
+            return place
+
+        places = {name: place_of(name) for name in objects}
+        # A retried download (a transient failure) starts again from an empty folder: what the attempt before wrote
+        # is ours, and is removed without following a link.
+        if os.path.islink(local) or local.is_file():
+            local.unlink()
+        elif local.is_dir():
+            shutil.rmtree(local)
         if sharded:
             local.mkdir(parents=True, exist_ok=True)
-        places = {name: (local / name if sharded else local) for name in objects}
+        for name, place in places.items():
+            place.parent.mkdir(parents=True, exist_ok=True)
+            links = [p for p in (place, *place.parents) if p != root and root in p.parents and p.is_symlink()]
+            if links or os.path.lexists(place):
+                raise damaged(join(prefix, name), f"its place {str(place)!r} in the load's new folder is already"
+                              " taken (a symbolic link or another object), so nothing is written through it")
         small = [n for n, (size, _) in objects.items() if size <= _RANGE]
         if small:
-            for place in places.values():
-                place.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get([join(prefix, n) for n in small], [str(places[n]) for n in small])
         for name in [n for n in objects if n not in small]:
             size = objects[name][0]
             starts = list(range(0, size, _RANGE))
             url = join(prefix, name)
             pieces = self.fs.cat_ranges([url] * len(starts), starts, [min(s + _RANGE, size) for s in starts])
-            with open(places[name], "wb") as out:
+            # O_EXCL and O_NOFOLLOW: a file or a link that appeared there since the check is not written through.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            with open(os.open(places[name], flags, 0o600), "wb") as out:
                 for piece in pieces:
                     if isinstance(piece, Exception):
                         raise piece
