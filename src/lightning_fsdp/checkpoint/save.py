@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value, observe
 from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.integrity.digests import new_save_id
@@ -27,6 +28,7 @@ from lightning_fsdp.checkpoint.io import in_flight
 from lightning_fsdp.checkpoint.io.full_writer import save_file, write_full_checkpoint
 from lightning_fsdp.checkpoint.io.staging import ReusedStaging
 from lightning_fsdp.checkpoint.io.store import Target, store_for
+from lightning_fsdp.checkpoint.latest import commit_order_of
 from lightning_fsdp.checkpoint.state import SplitState, split_state
 
 __all__ = [
@@ -103,11 +105,13 @@ def _write_sharded(
 
     if background is not None:
         background.wait(comm)  # the previous background save first: its error is raised before anything is staged
-        target, staged, save_id = _prepare(store, path, comm, "Preparing the background save of", stage_metadata)
+        target, staged, save_id = _prepare(store, path, comm, "Preparing the background save of", storage_options,
+                                           stage_metadata)
         background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id), store=store)
         return target
 
-    target, staged, save_id = _prepare(store, path, comm, "Creating the staging directory for", stage_metadata)
+    target, staged, save_id = _prepare(store, path, comm, "Creating the staging directory for", storage_options,
+                                       stage_metadata)
     writer = ChecksumWriter(staged, save_id=save_id)
 
     def write() -> None:
@@ -130,7 +134,7 @@ def write_full(path: Union[str, Path], obj: Any, comm: Communicator,
 def _write_full(path: Union[str, Path], obj: Any, comm: Communicator,
                 storage_options: Optional[dict[str, Any]]) -> Target:
     store = store_for(path, storage_options)
-    target, staged, _ = _prepare(store, path, comm, "Checking the checkpoint path")
+    target, staged, _ = _prepare(store, path, comm, "Checking the checkpoint path", storage_options)
 
     def write() -> None:
         write_full_checkpoint(staged, obj, is_writer=comm.global_rank == 0)
@@ -142,11 +146,12 @@ def _write_full(path: Union[str, Path], obj: Any, comm: Communicator,
 
 
 def _prepare(
-    store: Any, path: Union[str, Path], comm: Communicator, what: str,
+    store: Any, path: Union[str, Path], comm: Communicator, what: str, storage_options: Optional[dict[str, Any]],
     on_rank_0: Optional[Callable[[Path], None]] = None,
 ) -> tuple[Target, Path, str]:
-    """The target, its staging path and the save id, with the target's folder checked on every rank and
-    ``on_rank_0(staged)`` run on rank 0, all in one agreed step.
+    """The target, its staging path and the save id, with the target's folder checked on every rank, and on rank 0
+    the commit orders there observed (:func:`_count_above_the_directory`) and ``on_rank_0(staged)`` run, all in one
+    agreed step.
 
     Rank 0 names everything, in one broadcast (each collective is a visible share of a background save's call): the
     target, the path as given (a symbolic link there is replaced by the new checkpoint, and what it pointed to is
@@ -160,8 +165,10 @@ def _prepare(
 
     def check() -> None:
         store.check_target(target, comm.global_rank)
-        if on_rank_0 is not None and comm.global_rank == 0:
-            on_rank_0(staged)
+        if comm.global_rank == 0:
+            _count_above_the_directory(store, target, storage_options)
+            if on_rank_0 is not None:
+                on_rank_0(staged)
 
     try:
         # Its own agreed step, not a barrier: a rank-0 failure here (a read-only filesystem, a full disk) reaches
@@ -171,6 +178,20 @@ def _prepare(
         store.discard(staged, comm.global_rank)  # e.g. a `meta.pt` that did not fit must not stay behind
         raise
     return target, staged, save_id
+
+
+def _count_above_the_directory(store: Any, target: Target, storage_options: Optional[dict[str, Any]]) -> None:
+    """Make this save's commit order count above every commit in the target's directory, whichever process or host
+    made it and whatever its clock said (:mod:`~lightning_fsdp.checkpoint.formats.commit_order`, issue 42 item 3).
+
+    Rank 0 alone: it is the rank that records the order (the manifest, the full file, the COMMIT object), also in
+    the thread that commits a background save, which starts after this. Each checkpoint's order is read once per
+    process while it is unchanged (:func:`~lightning_fsdp.checkpoint.latest.commit_order_of`); a remote listing
+    already holds each COMMIT, so its order costs no second read.
+    """
+    for _, entry, record in store.checkpoints_in(store.parent(target)):
+        order = commit_order_value(record)
+        observe(order if order is not None else commit_order_of(entry, storage_options))
 
 
 class _CachedPlans(dcp.DefaultSavePlanner):

@@ -13,9 +13,19 @@ written last, just before the commit:
 - a full checkpoint: the ``checksums.json`` record inside the ``torch.save`` archive;
 - a remote save (object storage): its commit object.
 
-Each records ``{COMMIT_ORDER_KEY: next_commit_order()}``. The value is the wall clock in nanoseconds, made strictly
-increasing within one process (a clock stepped back during a run still orders that run's saves correctly). Saves
-commit one at a time (a background save waits for the one before), so the order of these values is the commit
+Each records ``{COMMIT_ORDER_KEY: next_commit_order()}``: a counter, above every value this process gave before and
+above every value it has seen recorded (:func:`observe`). Before each save, rank 0 (the one rank that records it)
+reads the orders of the committed checkpoints in the target's directory and observes them
+(:mod:`~lightning_fsdp.checkpoint.save`), so the new save counts above every commit there, whoever made it.
+
+Why no clock decides (issue 42 item 3): a clock is monotonic at best within one process. A job requeued on a host
+whose clock is behind by ten minutes resumed from step 100 and recorded step 200 *below* step 100, and retention
+with ``keep_last=1`` then deleted step 200, the save it had just committed. The wall clock is still mixed in
+(``max(time_ns, last + 1)``), only as a floor: a clock set forward pushes the counter up, and later saves still
+count above it; a clock set back changes nothing. It also keeps the values in the range older versions
+recorded (nanoseconds since 1970), so a directory that both wrote orders correctly.
+
+Saves commit one at a time (a background save waits for the one before), so the order of these values is the commit
 order. A checkpoint that records none (written before this key existed, or by another tool) sorts before every
 one that does, and among themselves by step (:func:`order_key`).
 """
@@ -26,7 +36,7 @@ import threading
 import time
 from typing import Any, Optional, Union
 
-__all__ = ["COMMIT_ORDER_KEY", "NEW", "next_commit_order", "order_to_record", "commit_order_value", "order_key"]
+__all__ = ["COMMIT_ORDER_KEY", "NEW", "next_commit_order", "order_to_record", "observe", "commit_order_value", "order_key"]
 
 COMMIT_ORDER_KEY = "commit_order"
 NEW = "new"
@@ -39,7 +49,8 @@ _last = 0
 
 
 def next_commit_order() -> int:
-    """The value a save records as it commits: later than every value this process gave before."""
+    """The value a save records as it commits: above every value this process gave before or saw recorded
+    (:func:`observe`)."""
     global _last
     with _lock:
         _last = max(time.time_ns(), _last + 1)
@@ -55,6 +66,15 @@ def order_to_record(commit_order: Union[int, None, str] = NEW) -> Optional[int]:
         raise ValueError(f"Invalid commit_order={commit_order!r}. Allowed: {NEW!r}, None or an int >= 0. HINT: pass"
                          " the value a checkpoint records (`commit_order_of(path)`).")
     return commit_order
+
+
+def observe(order: Optional[int]) -> None:
+    """Count from above ``order``, a value some save recorded (None: it recorded none): every later
+    :func:`next_commit_order` of this process is greater, whatever the clock says."""
+    global _last
+    if order is not None:
+        with _lock:
+            _last = max(_last, order)
 
 
 def commit_order_value(record: Any) -> Optional[int]:
