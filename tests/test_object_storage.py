@@ -57,6 +57,10 @@ def test_a_rank_killed_mid_upload_leaves_the_previous_step_loadable_exactly(s3_s
     proc = subprocess.run(torchrun("object_storage_kill.py", 2), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "the save returned" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert (out / "killed.rank1").is_file(), proc.stderr[-3000:]  # rank 1 died with a request cut off mid-body
+    # Issue 42 item 7: the survivor's error names the URL it was saving to, the rank that died and the fix.
+    error = (out / "error.rank0.txt").read_text()
+    url = f"{directory}/step-0000000{2 if mode == 'new' else 1}"
+    assert f"{url!r} failed: " in error and "rank 1" in error and "HINT:" in error, error
     options = {"endpoint_url": s3_server.endpoint, "key": "testing", "secret": "testing"}
     store = store_for(directory, options)
     listed = store.fs.find(directory)

@@ -7,6 +7,7 @@ full parameters to ``$LFSDP_TEST_OUT/step1.pt`` first, for the pytest side to co
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -55,8 +56,17 @@ def main() -> None:
     fabric.barrier()
     if fabric.global_rank == 1:
         _arm(out)
+    else:
+        # torchrun stops the other ranks once rank 1 is dead (SIGTERM, then SIGKILL 30 s later). A survivor on
+        # another node sees the death only through its own collectives, and its error is what its user reads: so
+        # this one lets torchrun's SIGTERM pass, and fails by itself.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     target = "step-00000002" if os.environ["LFSDP_KILL_MODE"] == "new" else "step-00000001"
-    fabric.save(f"{directory}/{target}", {"model": model, "optimizer": opt, "step": 2})
+    try:
+        fabric.save(f"{directory}/{target}", {"model": model, "optimizer": opt, "step": 2})
+    except Exception as err:  # the survivor's error, for the pytest side: it must name the URL and the fix
+        (out / f"error.rank{fabric.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
+        raise
     raise SystemExit("the save returned although rank 1 was killed in it")
 
 

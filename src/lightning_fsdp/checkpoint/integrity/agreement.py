@@ -11,6 +11,8 @@ from __future__ import annotations
 import builtins
 from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
 
+from lightning_fsdp._base.failures import CollectiveFailure, explain_collective_failure
+
 __all__ = ["Communicator", "CheckpointError", "unreadable", "together", "os_error_in"]
 
 T = TypeVar("T")
@@ -63,7 +65,17 @@ def together(comm: Communicator, what: str, step: Callable[[], T]) -> T:
         raise
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         mine = err
-    first = comm.agree(None if mine is None else _report(mine, comm.global_rank))
+    try:
+        # A background save's group agrees through plain gloo calls: explained here as the engine's are.
+        with explain_collective_failure("agreement on errors"):
+            first = comm.agree(None if mine is None else _report(mine, comm.global_rank))
+    except CollectiveFailure as err:
+        # A rank died or hung in this step (killed mid-upload): the survivors' error says which step, and so which
+        # checkpoint or URL, as every other failure of `together` does. The rest of the message stays: the rank,
+        # the timeout and the HINT of `explain_collective_failure`.
+        text = str(err)
+        err.args = (f"{what} failed: {text[:1].lower()}{text[1:]}",)
+        raise
     if first is None:
         return result  # type: ignore[return-value]
     _, (origin, type_name, message, errno) = first
