@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from common import loss_fn
@@ -105,12 +106,26 @@ def save_top_k_leaves_exactly_k_in_both_save_modes():
     return report
 
 
+def _full_weights(module) -> dict:
+    """Every parameter and buffer gathered whole (a collective: every rank calls it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
+
+
 class SeenStep(Callback):
+    """The step a fit resumed from, and the weights it started from (after the restore) and ended with."""
+
     def __init__(self) -> None:
         self.loaded = None
+        self.start = self.end = None
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self.loaded = checkpoint["global_step"]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = _full_weights(pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.end = _full_weights(pl_module)
 
 
 @case
@@ -121,7 +136,7 @@ def latest_after_a_rollback_is_the_save_the_run_went_on_from():
     for kind in ("sharded", "full"):
         directory = Path(os.environ["LFSDP_TEST_OUT"]) / f"rollback-{kind}"
 
-        def fit(max_steps, ckpt_path=None):
+        def fit(max_steps, ckpt_path=None) -> SeenStep:
             seen = SeenStep()
             checkpoint = ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1, every_n_train_steps=1,
                                          monitor=None)
@@ -130,14 +145,19 @@ def latest_after_a_rollback_is_the_save_the_run_went_on_from():
                               logger=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(Lit(), ckpt_path=ckpt_path)
             trainer.strategy.barrier()
-            return seen.loaded
+            return seen
 
         fit(2)
-        fit(4, directory / "step=2.ckpt")  # steps 3 and 4
-        fit(3, directory / "step=2.ckpt")  # the rollback: step 3 again, committed last
-        loaded = fit(4, directory / "latest")
-        report[kind] = {"loaded": loaded, "files": sorted(p.name for p in directory.iterdir())}
-        assert loaded == 3, (kind, loaded, sorted(p.name for p in directory.iterdir()))
+        abandoned = fit(4, directory / "step=2.ckpt").end  # steps 3 and 4
+        rolled_back = fit(3, directory / "step=2.ckpt").end  # the rollback: step 3 again, committed last
+        resumed = fit(4, directory / "latest")
+        report[kind] = {"loaded": resumed.loaded, "files": sorted(p.name for p in directory.iterdir())}
+        assert resumed.loaded == 3, (kind, resumed.loaded, sorted(p.name for p in directory.iterdir()))
+        # The step counter alone would pass a resume that restored the step and not the weights: the run starts
+        # from exactly the weights the rollback saved at step 3, which are not the abandoned step 4's.
+        assert not all(torch.equal(abandoned[k], rolled_back[k]) for k in rolled_back), kind
+        different = sorted(k for k in rolled_back if not torch.equal(resumed.start[k], rolled_back[k]))
+        assert resumed.start.keys() == rolled_back.keys() and not different, (kind, different[:5])
     return report
 
 
