@@ -10,6 +10,8 @@
 #                   installs .ci/constraints-newest-torch.txt and .ci/constraints-oldest-lightning.txt, each in a venv
 #                   of its own
 #   FRESH=1         delete VENV first and install from scratch (what `.ci/run` does for the extra venvs)
+#   AZURITE_VERSION the Azure Storage emulator the tests run (tests/emulators.py), installed with npm into .ci/node
+#                   (default: the pinned 3.37.0); every leg's venv shares it
 #   TORCH_PIP_ARGS  extra pip arguments for the torch install only. On a CPU-only machine without a local CPU wheel,
 #                   use TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu": PyPI's Linux wheel of
 #                   torch is the multi-GB CUDA build.
@@ -30,6 +32,25 @@ if [[ "${FRESH:-0}" == 1 && -e "$VENV" ]]; then
     echo "[install] FRESH=1: removing $VENV"
     rm -rf "$VENV"
 fi
+# Azurite, the Azure Storage emulator of the tests (npm, not PyPI), pinned; checked on every run, also when the venv
+# is up to date, since .ci/node is not part of the venv. Without it the Azure tests fail (never skip), so a missing
+# npm stops the install here with the fix. It declares node>=22 but runs its Blob service on the node 20 here.
+AZURITE_VERSION="${AZURITE_VERSION:-3.37.0}"
+NODE_DIR="$ROOT/.ci/node"
+azurite_installed="$(sed -n '0,/"version"/s/^ *"version": *"\([^"]*\)".*/\1/p' \
+    "$NODE_DIR/node_modules/azurite/package.json" 2>/dev/null || true)"  # empty when not installed
+if [[ "$azurite_installed" != "$AZURITE_VERSION" || ! -x "$NODE_DIR/node_modules/.bin/azurite-blob" ]]; then
+    if ! command -v npm >/dev/null 2>&1; then
+        echo "[install] npm is not installed, and the Azure tests need Azurite from npm. HINT: install Node.js 20 or" \
+            "newer with npm (e.g. apt-get install nodejs npm), then run this again." >&2
+        exit 1
+    fi
+    echo "[install] azurite@$AZURITE_VERSION into ${NODE_DIR#"$ROOT"/} (npm)"
+    mkdir -p "$NODE_DIR"
+    printf '*\n' > "$NODE_DIR/.gitignore"  # installed files, never committed
+    npm install --prefix "$NODE_DIR" --no-audit --no-fund --loglevel=error "azurite@$AZURITE_VERSION"
+fi
+
 TORCH_VERSION="$(sed -n 's/^torch==\([^[:space:]]*\).*/\1/p' "$CONSTRAINTS")"
 STAMP="$VENV/.lightning-fsdp-installed"
 
