@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.integrity.agreement import together
 from lightning_fsdp.checkpoint.io.store import Target, store_for
-from lightning_fsdp.checkpoint.latest import newest_good_checkpoint, trust
+from lightning_fsdp.checkpoint.latest import find_newest_on_rank_zero, trust
 from lightning_fsdp.checkpoint.retention import check_retention, prune
 
 __all__ = ["StepCheckpoints"]
@@ -101,14 +101,20 @@ class StepCheckpoints:
         return path
 
     def latest(self) -> Optional[Target]:
-        """The checkpoint committed last that passes verification, the same on every rank (None if there is none)."""
-        found = newest_good_checkpoint(self.directory, self._options) if self.fabric.global_rank == 0 else None
-        found = self.fabric.broadcast(None if found is None else str(found))
+        """The checkpoint committed last that passes verification, the same on every rank (None if there is none).
+
+        Raises on every rank when the store could not be read (``ConnectionError`` naming the URL, within the
+        store's bound, ``LFSDP_STORE_TIMEOUT_S``, default 60 s): an unreadable store is never taken for an empty or
+        damaged directory, and retention deletes nothing in this process until a later call succeeds."""
+        found = find_newest_on_rank_zero(self.directory, self.fabric.strategy.communicator, self._options)
         return None if found is None else self._store.target(found)
 
     def resume(self, state: dict[str, Any], strict: bool = True) -> Optional[Target]:
         """Load the newest good checkpoint (by commit, :meth:`latest`) into ``state`` (in place) and return its
-        path; None, and ``state`` untouched, when the directory holds none (a fresh start)."""
+        path; None, and ``state`` untouched, when the directory holds none (a fresh start).
+
+        A store that could not be read is an error on every rank (:meth:`latest`), never a fresh start: let it stop
+        the job, and requeue it."""
         found = self.latest()
         if found is not None:
             self.fabric.load(found, state, strict=strict)

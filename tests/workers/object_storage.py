@@ -230,12 +230,13 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
     first = full_params(model)
     train_steps(fabric, model, opt, 1)
     store = store_for(url)
-    put, backoff = store.fs.put, remote_errors.BACKOFF_S
+    put, backoff, attempts = store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS
     if fabric.global_rank == 1:  # the store answers rank 1's uploads with 503 SlowDown, every time
         def slow_down(*args, **kwargs):
             raise OSError("An error occurred (SlowDown) when calling the PutObject operation: Please reduce your"
                           " request rate.")
-        store.fs.put, remote_errors.BACKOFF_S = slow_down, 0.0
+        # Four attempts without waits: the bound alone would retry for its 60 s.
+        store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = slow_down, 0.0, 4
     try:
         fabric.save(url, {"model": model, "optimizer": opt, "step": 2})  # returns: the upload is in the background
         try:
@@ -245,7 +246,7 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
         else:
             raise AssertionError("the failed background upload was not reported")
     finally:
-        store.fs.put, remote_errors.BACKOFF_S = put, backoff
+        store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = put, backoff, attempts
     assert "failed on rank 1" in message and url in message and "SlowDown" in message and "HINT" in message, message
     model2, opt2 = _setup(fabric, seed=1)
     assert fabric.load(url, {"model": model2, "optimizer": opt2}) == {"step": 1}

@@ -15,6 +15,15 @@ that orders a directory, for ``latest``, ``resume`` and retention (:mod:`.retent
 
 ``fabric.load("<dir>/latest", state)`` and ``trainer.fit(..., ckpt_path="<dir>/latest")`` use this when ``latest``
 does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as it is).
+
+Damaged is not unreadable (issues 42 and 45). Only bytes that were read and found wrong (a checksum that does not
+match, a reader's refusal) make a checkpoint damaged, skipped and remembered. A store that could not be read (a
+network error, a timeout, refused access, an object gone while it was read:
+:func:`~lightning_fsdp.checkpoint.io.remote_errors.could_not_read`) says nothing of the checkpoint: the search stops
+with an error naming the URL, within the store's bound (``LFSDP_STORE_TIMEOUT_S``, default 60 s, one budget for the
+whole search), nothing is remembered, and retention is off in this process until a search of that directory succeeds
+(:func:`unread_directories`), since deleting then could remove the checkpoint the run should have resumed from. The
+other ranks wait for rank 0's answer in one agreement, so they raise the same error, within the same bound.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.formats.commit_order import order_key
+from lightning_fsdp.checkpoint.integrity.agreement import together
+from lightning_fsdp.checkpoint.io.remote_errors import TIMEOUT_VARIABLE, could_not_read, one_budget, store_timeout_s
 from lightning_fsdp.checkpoint.io.store import Target, store_for
 
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
-    "newest_good_checkpoint", "resolve_latest",
+    "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories",
 ]
 
 LATEST = "latest"
@@ -58,8 +69,10 @@ def _known(path: Target, fact: str, learn, storage_options: Optional[dict] = Non
     key = str(path)
     try:
         fingerprint = store_for(path, storage_options).fingerprint(path)
-    except OSError:
-        return learn(path)  # it went away while we looked: nothing worth remembering
+    except FileNotFoundError:
+        return learn(path)  # a local checkpoint went away while we looked: nothing worth remembering
+    # Any other failure to fingerprint (the store did not answer) is raised: learning without it would remember
+    # nothing anyway, and asking the store again would double the wait.
     with _KNOWN_LOCK:
         facts = _KNOWN.get(key)
         if facts is None or facts["fingerprint"] != fingerprint:
@@ -100,18 +113,28 @@ def step_checkpoints(directory: Union[str, Path], storage_options: Optional[dict
 
 
 def verification_failure(path: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[BaseException]:
-    """None when the checkpoint at ``path`` passes verification (every checksum), else the error that says why
-    not. Reads the checkpoint in full the first time this process asks (and again once it changes)."""
+    """None when the checkpoint at ``path`` passes verification (every checksum), else the error that says how it
+    is damaged. Reads the checkpoint in full the first time this process asks (and again once it changes).
+
+    Raises, and remembers nothing, when the checkpoint could not be read (its store failed within its bound, access
+    was refused, it went away while being read): that says nothing of its bytes."""
     store = store_for(path, storage_options)
 
     def verify(target: Target) -> Optional[BaseException]:
         try:
             store.verify(target)  # False (no checksums, an old checkpoint) still loads: the load notes it
-        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is damaged, and named
+        except Exception as err:  # noqa: BLE001 - damage is returned (and remembered), a failed read is raised
+            if could_not_read(err):
+                raise
             return err
         return None
 
-    return _known(store.target(path), "failure", verify, storage_options)
+    try:
+        return _known(store.target(path), "failure", verify, storage_options)
+    except Exception as err:  # noqa: BLE001 - damage found while fingerprinting (a COMMIT that does not parse)
+        if could_not_read(err):
+            raise
+        return err  # damage all the same, not remembered: the next look reads it again
 
 
 def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> None:
@@ -131,25 +154,99 @@ def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> Non
         facts["failure"] = None
 
 
+# The directories whose search for the newest good checkpoint could not read their store, in this process: what is
+# there is unknown, so retention (:func:`~lightning_fsdp.checkpoint.retention.prune`) refuses to delete anything until
+# a search of that directory succeeds.
+_UNREAD: dict[str, str] = {}
+
+
+def unread_directories() -> dict[str, str]:
+    """The directories (and why) whose last search for the newest good checkpoint in this process could not read
+    their store."""
+    with _KNOWN_LOCK:
+        return dict(_UNREAD)
+
+
 def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[Target]:
     """The checkpoint committed last in ``directory`` that passes verification (every checksum), or None when there
     is none.
 
-    Each one committed later that fails is skipped with a warning naming it and the reason. Reads each checked
-    checkpoint in full (once per process), so call it on one rank and broadcast the answer (:func:`resolve_latest`
-    does).
+    Each one committed later that is damaged (bytes read and found wrong) is skipped with a warning naming it and
+    the reason. A store that could not be read is no damage: the search raises (``ConnectionError``, or the
+    ``PermissionError`` of refused access), naming the URL, within the store's bound for the whole search, and
+    retention is off in this process until a search of ``directory`` succeeds. Reads each checked checkpoint in full
+    (once per process), so call it on one rank and share the answer (:func:`find_newest_on_rank_zero`).
     """
-    for candidate in reversed(step_checkpoints(directory, storage_options)):
-        err = verification_failure(candidate, storage_options)
-        if err is not None:
-            warnings.warn(
-                f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}: {err})."
-                " Resuming from the one committed before it. HINT: delete or move it once you have looked at it.",
-                stacklevel=2,
-            )
-            continue
-        return candidate
-    return None
+    key, candidate = str(directory), None
+    try:
+        with one_budget():  # one bound for every store call of the search
+            for candidate in reversed(step_checkpoints(directory, storage_options)):
+                err = verification_failure(candidate, storage_options)
+                if err is not None:
+                    warnings.warn(
+                        f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}:"
+                        f" {err}). Resuming from the one committed before it. HINT: delete or move it once you have"
+                        " looked at it.",
+                        stacklevel=2,
+                    )
+                    continue
+                break
+            else:
+                candidate = None
+    except Exception as err:  # noqa: BLE001 - a failed read of the store is raised as such; damage goes on up
+        if not could_not_read(err):
+            raise
+        raise _unread(key, candidate, err) from err
+    with _KNOWN_LOCK:
+        _UNREAD.pop(key, None)
+    return candidate
+
+
+def _unread(directory: str, candidate: Optional[Target], err: BaseException) -> BaseException:
+    """The error of a search whose store could not be read; records that retention must not run."""
+    where = f"the checkpoint {str(candidate)!r}" if candidate is not None else f"the directory {directory!r}"
+    cause = f"{type(err).__name__}: {err}"
+    with _KNOWN_LOCK:
+        _UNREAD[directory] = cause
+    hint = "" if "HINT" in cause else (f" HINT: run again once the store answers (an unreachable store is retried"
+                                       f" for at most {_bound()} s in all; {TIMEOUT_VARIABLE} sets it).")
+    text = (f"Could not read {where} while finding the newest good checkpoint in {directory!r}: it was not taken for"
+            " damaged, nothing older was chosen instead, and retention is off in this process until a search of that"
+            f" directory succeeds; do not start the run from scratch. ({cause}){hint}")
+    return PermissionError(err.errno, text) if isinstance(err, PermissionError) else ConnectionError(text)
+
+
+def _bound() -> str:
+    try:
+        return f"{store_timeout_s():g}"
+    except ValueError:
+        return "?"
+
+
+def find_newest_on_rank_zero(directory: Union[str, Path], comm, storage_options: Optional[dict] = None,
+                             check_first: Optional[Target] = None) -> Optional[str]:
+    """:func:`newest_good_checkpoint` on rank 0, as a string (None when there is none), the same on every rank. Its
+    error, too, is raised on every rank: the others wait in one agreement while rank 0 searches, and rank 0's search
+    fails within the store's bound when the store does not answer, so no rank waits into the process group's
+    timeout. ``check_first``: a path returned as it is when it exists (``<dir>/latest`` written by the user)."""
+    store = store_for(directory, storage_options)
+
+    def find() -> Optional[str]:
+        if comm.global_rank != 0:
+            return None
+        if check_first is not None:
+            try:
+                if store.exists(check_first):
+                    return str(check_first)
+            except Exception as err:  # noqa: BLE001 - as the search's own failures
+                if not could_not_read(err):
+                    raise
+                raise _unread(str(directory), None, err) from err
+        found = newest_good_checkpoint(directory, storage_options)
+        return None if found is None else str(found)
+
+    mine = together(comm, f"Finding the newest good checkpoint in {str(directory)!r}", find)
+    return comm.broadcast(mine)
 
 
 def resolve_latest(path: Union[str, Path], comm, storage_options: Optional[dict] = None) -> Target:
@@ -161,14 +258,7 @@ def resolve_latest(path: Union[str, Path], comm, storage_options: Optional[dict]
     if store.name(path) != LATEST:
         return path
     directory = store.parent(path)
-
-    def find() -> Optional[str]:
-        if store.exists(path):
-            return str(path)
-        found = newest_good_checkpoint(directory, storage_options)
-        return None if found is None else str(found)
-
-    found = comm.broadcast(find() if comm.global_rank == 0 else None)
+    found = find_newest_on_rank_zero(directory, comm, storage_options, check_first=path)
     if found is None:
         raise FileNotFoundError(
             f"No complete checkpoint to resume from in {str(directory)!r} (asked for {str(path)!r}): it holds no"

@@ -14,6 +14,10 @@ Rules, each for a failure it prevents:
   A save still in flight, a background one included, is not yet there: the older checkpoints it would replace stay
   until it is committed, so a crash during that save still leaves one to resume from.
 - Names without a step number and anything that is not a checkpoint are left alone: they are the user's.
+- Nothing is deleted in a process whose search for the newest good checkpoint could not read its store (a resume
+  during an outage, :func:`.latest.unread_directories`): what is there is unknown, and a run that went on anyway
+  would delete the checkpoint it should have resumed from (issue 45). A checkpoint that could not be read during
+  retention itself stops it the same way, with an error naming it.
 
 Verification reads a checkpoint in full, once per process (:func:`.latest.verification_failure` remembers it while
 its files are unchanged), and the checkpoint just committed is not read back (:func:`.latest.trust`).
@@ -25,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from lightning_fsdp.checkpoint.io.store import Target, store_for
-from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, verification_failure
+from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, unread_directories, verification_failure
 
 __all__ = ["check_retention", "to_delete", "prune"]
 
@@ -64,6 +68,16 @@ def prune(directory: Union[str, Path], keep_last: Optional[int], keep_every: Opt
           storage_options: Optional[dict] = None) -> list[Target]:
     """Delete what :func:`to_delete` names (call it on one rank, after a commit), through the store that keeps
     ``directory`` (a URL's commit object goes first). Returns the deleted paths."""
+    unread = unread_directories()
+    if unread:
+        where, why = next(iter(unread.items()))
+        raise RuntimeError(
+            f"Retention in {str(directory)!r} deletes nothing in this process: finding the newest checkpoint in"
+            f" {where!r} could not read its store ({why[:300]}), so what is there is unknown, and deleting could remove"
+            " the checkpoint this run should have resumed from. HINT: stop this run and start it again once the store"
+            " answers, so that it resumes from its newest checkpoint (or find it again, `StepCheckpoints.latest()`,"
+            " which turns retention back on once it succeeds)."
+        )
     store = store_for(directory, storage_options)
     doomed = to_delete(directory, keep_last, keep_every, storage_options)
     for path in doomed:

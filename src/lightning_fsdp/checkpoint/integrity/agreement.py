@@ -113,7 +113,7 @@ def _report(err: BaseException, rank: int) -> tuple[int, str, str, Optional[int]
         rank = min(failures)
         wrapped = failures[rank]
         err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    cause = os_error_in(err)
+    cause = None if isinstance(err, OSError) else os_error_in(err)  # an OSError says itself (a store's, its URL)
     if cause is not None:
         err = cause
     if isinstance(err, OSError) and err.errno is not None and err.strerror:
