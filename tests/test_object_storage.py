@@ -184,6 +184,7 @@ def test_transient_server_errors_are_retried_then_fail_clearly(memory_url, monke
     from lightning_fsdp.checkpoint.io.store import store_for
 
     monkeypatch.setattr(remote_errors, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(remote_errors, "ATTEMPTS", 4)  # without waits, the bound alone would retry for its 60 s
     store = store_for(memory_url)
     put = store.fs.put
     calls = []
@@ -295,6 +296,7 @@ def test_an_unreachable_endpoint_is_a_network_error_not_a_missing_bucket(monkeyp
     from lightning_fsdp.checkpoint.io import remote, remote_errors
 
     monkeypatch.setattr(remote_errors, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(remote_errors, "ATTEMPTS", 4)  # without waits, the bound alone would retry for its 60 s
     store = remote.FsspecStore("s3", {"endpoint_url": "http://127.0.0.1:1", "key": "k", "secret": "s",
                                       "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
     url = "s3://ckpt/run/step-1"

@@ -348,7 +348,7 @@ class FsspecStore:
         fs = self.fs
         fs.invalidate_cache()
         try:
-            entries = fs.ls(directory, detail=False)
+            entries = self._retrying(directory, "listing", lambda: fs.ls(directory, detail=False))
         except FileNotFoundError:
             return []
         found = []

@@ -92,5 +92,6 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> An
             f"The checkpoint path {url!r} is on {protocol}://, which needs the package {package!r}. HINT:"
             f' `pip install "lightning-fsdp[{extra}]"`.'
         ) from err
-    # A fresh instance: fsspec caches instances per arguments, and a cached one's listings can be stale.
-    return cls(**(storage_options or {}), skip_instance_cache=True)
+    from lightning_fsdp.checkpoint.io.remote_errors import bounded_filesystem  # a fresh instance, within the bound
+
+    return bounded_filesystem(cls, protocol, storage_options)
