@@ -240,7 +240,8 @@ def _fp16_run(fabric, steps: int, max_norm=None) -> tuple:
 def _check_fp16_scaled(scaler, steps: int, scaled_norms, ref_norms, dtypes) -> dict:
     """16-mixed computed in fp16, and scaled the loss by the scaler's scale: what a run in fp32, or with the loss
     never scaled, would pass parity with (at 2**8 no fp16 gradient overflows here, so an unscaled run matches)."""
-    assert dtypes and set(dtypes) == {(torch.float16, torch.float16)}, f"a Linear computed with (weight, output) {dtypes}"
+    assert dtypes and set(dtypes) == {(torch.float16, torch.float16)}, (
+        f"a Linear computed with (weight, output) dtypes {dtypes}")
     scale = scaler.get_scale()
     # fp16 rounding moves the ratio by well under 1% (seen here: below 1e-3); an unscaled loss gives 1/256 of it.
     ratios = [got / (scale * ref) for got, ref in zip(scaled_norms, ref_norms)]

@@ -108,7 +108,8 @@ def save_top_k_leaves_exactly_k_in_both_save_modes():
 
 def _full_weights(module) -> dict:
     """Every parameter and buffer gathered whole (a collective: every rank calls it)."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in module.state_dict().items()}
 
 
 class SeenStep(Callback):
