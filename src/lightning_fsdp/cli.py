@@ -4,7 +4,7 @@ the memory of a run before launching it.
     lightning-fsdp inspect PATH [--tensors] [--json] [--verify] [--storage-option KEY=VALUE ...]
     lightning-fsdp convert SRC DST --to full|sharded|safetensors [--max-shard-size 500MB] [--model KEY]
                            [--strip-prefix PREFIX] [--overwrite] [--storage-option KEY=VALUE ...]
-    lightning-fsdp clean URL [--storage-option KEY=VALUE ...]
+    lightning-fsdp clean URL [--grace DURATION] [--storage-option KEY=VALUE ...]
     lightning-fsdp plan --model MODULE:FACTORY --inputs MODULE:FACTORY --world-size N [strategy options] [--json]
 
 ``plan`` is :mod:`lightning_fsdp.planner.command`.
@@ -14,7 +14,8 @@ there is the committed one (:mod:`lightning_fsdp.checkpoint.io.remote`), fetched
 conversion to a URL commits there as a save does. Endpoint and credentials come from the environment as the
 filesystem reads them (for S3: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), or from ``--storage-option
 KEY=VALUE`` (passed to fsspec; VALUE is read as JSON where it parses, so ``use_ssl=false`` is a boolean). ``clean``
-removes what unfinished saves left at a checkpoint URL (objects no commit names, incomplete multipart uploads).
+removes what unfinished saves left at a checkpoint URL (objects no commit names, once older than ``--grace``, and
+their incomplete multipart uploads), and stale local staging folders (:mod:`.checkpoint.io.remote_clean`).
 
 It runs in one process, without a process group, and streams tensors (see :mod:`lightning_fsdp.checkpoint.convert`
 for what it holds in memory). Exit status: 0 on success; 2 for input the user can fix (a missing or non-checkpoint
@@ -164,9 +165,16 @@ def _parser() -> argparse.ArgumentParser:
     conv.set_defaults(run=_convert)
 
     clean = commands.add_parser("clean", help="remove what unfinished saves left at a checkpoint URL",
-                                description="Remove the objects of saves that never committed at a checkpoint URL,"
-                                            " and its incomplete multipart uploads; the committed checkpoint stays.")
+                                description="Remove the objects of saves that never committed at a checkpoint URL"
+                                            " (the .<token>/ prefixes its COMMIT does not name, once nothing in one"
+                                            " is newer than --grace by the store's clock), with their incomplete"
+                                            " multipart uploads, and this host's staging folders of saves and loads"
+                                            " whose process is gone. The committed checkpoint, younger saves (maybe"
+                                            " still uploading) and every object no save wrote stay.")
     clean.add_argument("url", metavar="URL", help="a checkpoint URL, e.g. s3://bucket/run/step-3")
+    clean.add_argument("--grace", type=_grace, default=None, metavar="DURATION",
+                       help="leave a save's objects until they are this old: seconds (3600) or with a unit (90s, 30m,"
+                            " 2h, 1d); at least the longest a save takes. Default: 1h")
     _add_storage_options(clean)
     clean.set_defaults(run=_clean)
     return parser
@@ -195,6 +203,22 @@ def _storage_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _grace(text: str) -> float:
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"Invalid --grace {text!r}. Allowed: a duration >= 0, in seconds (3600) or with a unit s, m, h or d"
+            " (30m, 2h). HINT: give at least the longest a save to that URL takes, e.g. `--grace 2h`")
+    return value
 
 
 def _options(args: argparse.Namespace) -> Optional[dict[str, Any]]:
@@ -354,15 +378,29 @@ def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = 
 
 def _clean(args: argparse.Namespace) -> int:
     from lightning_fsdp.checkpoint.io.remote import clean
+    from lightning_fsdp.checkpoint.io.remote_clean import remove_stale_staging
 
     if not is_url(args.url):
         raise UsageError(f"`clean` takes a checkpoint URL, got {args.url!r}. HINT: e.g. `{PROG} clean"
                          " s3://bucket/run/step-3`; a local save leaves nothing to clean (its staging copy is"
                          " removed by the next save).")
-    removed = clean(args.url, _options(args))
+    try:
+        removed = clean(args.url, _options(args), grace_s=args.grace)
+    except FileNotFoundError as err:
+        if err.errno is not None:  # a missing bucket: input the user can fix, status 2 as for a missing path
+            err.cli_status = 2  # type: ignore[attr-defined]
+        raise
     for url in removed:
         print(f"removed {url}")
-    print(f"{args.url}: {len(removed)} leftover{'s' if len(removed) != 1 else ''} removed")
+    for url in removed.kept:
+        print(f"kept {url} (newer than --grace: maybe a save still uploading)")
+    for folder in remove_stale_staging():
+        print(f"removed {folder} (a staging folder of this host whose process is gone)")
+    if not removed.found and not removed.checkpoint:
+        print(f"{args.url}: nothing to clean: no checkpoint and no leftovers of a save there; nothing was removed")
+    else:
+        print(f"{args.url}: {len(removed)} leftover{'s' if len(removed) != 1 else ''} removed"
+              + ("; the committed checkpoint stays" if removed.checkpoint else ""))
     return 0
 
 

@@ -1,25 +1,29 @@
 """Conditional writes of the one object that commits a checkpoint: each store's own precondition, said once.
 
-A ``COMMIT`` is written "only if absent" over a new path and "only if it is still the version this save saw" over an
-existing checkpoint, so that of two writers racing for one path exactly one wins and the other is told. Each store
-spells the version and the precondition in its own way (S3: the ETag with ``If-Match`` / ``If-None-Match: *``).
+A ``COMMIT`` is written "only if absent" over a new path and "only if it is still the version this save saw when it
+began" over an existing checkpoint, so that of two writers racing for one path exactly one wins and the other is
+told. Each store spells the version and the precondition in its own way (S3: the ETag with ``If-Match`` /
+``If-None-Match: *``).
 
 - :func:`version_of`: the version of the object at ``url`` now (None when there is none);
 - :func:`put_if`: write ``payload`` at ``url`` only if its version is still ``version`` (None: only if absent);
   a lost race is ``FileExistsError`` naming the path.
 
 GCS (the generation with ``ifGenerationMatch``, :mod:`.conditional_gcs`) and Azure (the ETag with ``If-Match`` /
-``If-None-Match: *``, :mod:`.conditional_azure`) have branches of their own.
+``If-None-Match: *``, :mod:`.conditional_azure`) have branches of their own. A store without conditional writes here
+(``memory://`` and other fsspec filesystems) compares the version just before its one PUT: a narrow window instead
+of none.
 """
 
 from __future__ import annotations
 
 import errno
+import time
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import conditional_azure, conditional_gcs
 
-__all__ = ["version_of", "put_if", "supports_conditions", "UNTESTED"]
+__all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "UNTESTED"]
 
 # GCS and Azure: each store's own condition (``conditional_gcs``, ``conditional_azure``), chosen by fsspec protocol.
 _STORES = {"gs": conditional_gcs, "gcs": conditional_gcs, "abfs": conditional_azure, "az": conditional_azure,
@@ -67,7 +71,11 @@ def version_of(fs: Any, url: str) -> Optional[str]:
         info = fs.info(url)
     except FileNotFoundError:
         return None
-    return info.get("ETag") or info.get("etag") or ""
+    tag = info.get("ETag") or info.get("etag") or info.get("generation")
+    if tag:
+        return str(tag)
+    # No version field (memory://): when and how large; a replaced COMMIT differs in one (it records its own time).
+    return repr((info.get("created") or info.get("mtime") or info.get("last_modified"), info.get("size")))
 
 
 def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
@@ -78,23 +86,58 @@ def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
         store.put_if(fs, url, payload, version, _lost)
         return
     fs.invalidate_cache(url)
-    if not supports_conditions(fs):  # a store without conditional writes here: one PUT, still atomic for readers
+    if not supports_conditions(fs):  # a store without conditional writes here: compare, then one atomic PUT
+        if version_of(fs, url) != version:
+            raise _lost(url)
         fs.pipe_file(url, payload)
+        fs.invalidate_cache(url)
         return
     bucket, key, _ = fs.split_path(url)
     condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
     try:
         fs.call_s3("put_object", Bucket=bucket, Key=key, Body=payload, **condition)
     except Exception as err:  # noqa: BLE001 - a lost race is said as such; anything else goes on
-        if "PreconditionFailed" in repr(err) or "412" in str(err):
-            raise FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this"
-                                  " one was uploading, so this one was not committed (the other one stands)."
-                                  " HINT: give each writer its own checkpoint path.") from err
+        codes = _codes(err)
+        # If-Match on an object removed meanwhile: some stores answer 404 (NoSuchKey), not 412. Either way the
+        # version this save began from is gone. 409: another conditional write to it is in flight.
+        if codes & {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"} or (
+                version and codes & {"NoSuchKey", "404"}):
+            raise _lost(url) from err
         raise
     fs.invalidate_cache(url)
+
+
+def _codes(err: BaseException) -> set[str]:
+    """The S3 error codes and HTTP statuses in ``err`` and its causes. s3fs turns a 412 into an ``OSError`` whose
+    text is the server's message alone ("At least one of the pre-conditions you specified did not hold"), keeping
+    botocore's error, with the code, as its cause."""
+    codes, seen = set(), 0
+    while err is not None and seen < 8:
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            codes.add(str(response.get("Error", {}).get("Code", "")))
+            codes.add(str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")))
+        if "pre-conditions you specified did not hold" in str(err):
+            codes.add("PreconditionFailed")
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return codes
 
 
 def _lost(url: str) -> FileExistsError:
     return FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this one was"
                            " uploading, so this one was not committed (the other one stands). HINT: give each writer"
                            " its own checkpoint path.")
+
+
+def lost_race(target: str, current: Optional[dict[str, Any]]) -> FileExistsError:
+    """The error of a save whose COMMIT lost its condition, naming the URL and what is there now (``current``: the
+    COMMIT record there, None when there is none)."""
+    if current is None:
+        other = "it was removed (retention, or another process)"
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(current.get("time", 0)))
+        other = f"another save committed there (token {current['token']}, at {when})"
+    return FileExistsError(errno.EEXIST, f"The checkpoint {target!r} changed after this save began: {other}. So"
+                           " this save was not committed, and what is there now stands. HINT: give each job its own"
+                           " checkpoint path (two jobs saving to one URL replace each other's checkpoints), or save"
+                           " again to replace it.")

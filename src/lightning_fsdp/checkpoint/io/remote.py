@@ -10,10 +10,11 @@ Layout of a checkpoint at ``U`` (either format)::
     U/COMMIT             json, written last: the token, every object with its size (small ones with an xxh3 digest),
                          the kind (full or sharded), the commit-order key, the time
 
-A save (:meth:`FsspecStore.commit`): each rank uploads its staged files under ``U/.<token>/`` (several in flight per
-rank); every rank's outcome is agreed; rank 0 writes ``COMMIT`` conditionally (create for a new path, replace only the
-version it read over an existing checkpoint, so a concurrent writer fails clearly); only then are the previous
-token's objects deleted, with any other save's leftovers and incomplete multipart uploads under ``U``. A reader
+A save (:meth:`FsspecStore.commit`): rank 0 notes COMMIT's version when the save begins (``check_target``); each rank
+uploads its staged files under ``U/.<token>/`` (several in flight per rank); every rank's outcome is agreed; rank 0
+checks that every object is there with its size, then writes ``COMMIT`` only if it is still the version noted (or
+absent), so of two saves to one URL the later committer fails clearly; only then are the objects of the one token
+the replaced COMMIT named deleted, and stale leftovers (:mod:`.remote_clean`: exact keys, never a pattern). A reader
 (:meth:`FsspecStore.open_committed`) reads ``COMMIT`` and then only the objects it names, checks their sizes, and runs
 the same integrity checks as for a local checkpoint. A save that dies before its ``COMMIT`` changes nothing a reader
 sees: it can never produce a load that mixes two saves. Listings are used only to find candidates and leftovers,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -35,13 +37,15 @@ import xxhash
 
 from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, commit_order_value, order_to_record
 from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
-from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
-from lightning_fsdp.checkpoint.io.conditional import put_if, version_of
+from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
-from lightning_fsdp.checkpoint.io.remote_clean import clean_target
+from lightning_fsdp.checkpoint.io import remote_clean
+from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
+                                                       remove_token, staging_root, token_of_staging)
 from lightning_fsdp.checkpoint.io.remote_errors import damaged, explain, retrying
-from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, parent, split_url
+from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
@@ -55,6 +59,8 @@ class FsspecStore:
     def __init__(self, protocol: str, storage_options: Optional[dict[str, Any]]) -> None:
         self.protocol, self.options = protocol, storage_options
         self._fs: Any = None
+        # Per target, what its save in flight began from (rank 0): COMMIT's version then, and the token it named.
+        self._saves: dict[str, dict[str, Any]] = {}
 
     @property
     def fs(self) -> Any:
@@ -65,7 +71,7 @@ class FsspecStore:
     # --- naming ---------------------------------------------------------------------------------------------
 
     def target(self, path: Union[str, Path]) -> str:
-        return str(path).rstrip("/")
+        return normalize(str(path)).rstrip("/")  # `S3://b/x` is `s3://b/x`, not a bucket named `S3:`
 
     def display(self, path: Any) -> str:
         return str(path)
@@ -98,7 +104,8 @@ class FsspecStore:
             yield local
 
     def staging(self, target: Any, token: str, rank: int) -> Path:
-        root = Path(tempfile.gettempdir()) / f"lightning-fsdp-{token}-r{rank}"
+        remove_stale_staging()  # what killed saves and loads of this host left behind (their process is gone)
+        root = staging_root(token, rank)
         root.mkdir(parents=True, exist_ok=True)
         return root / (basename(str(target)) or "checkpoint")
 
@@ -111,6 +118,18 @@ class FsspecStore:
         if rank != 0:
             return
         self._retrying(target, "checking", lambda: self._check_target(target))
+        self._saves[target] = self._retrying(target, "checking", lambda: self._begin(target))
+
+    def _begin(self, target: str) -> dict[str, Any]:
+        """What a save to ``target`` begins from: COMMIT's version now, the condition of its PUT (so a save committed
+        there meanwhile makes this one fail, issue 42), and the token that version names (removed once replaced)."""
+        version = version_of(self.fs, join(target, COMMIT_NAME))
+        replaced = None
+        if version is not None:
+            with contextlib.suppress(CheckpointError, ValueError):  # a damaged COMMIT: its objects go once stale
+                record = self.read_commit(target)
+                replaced = None if record is None else record["token"]
+        return {"version": version, "replaced": replaced}
 
     def _missing_bucket(self, target: str) -> Optional[FileNotFoundError]:
         """The error to raise when ``target``'s bucket does not exist, else None (also for stores without buckets).
@@ -157,6 +176,8 @@ class FsspecStore:
         def upload() -> dict[str, list]:
             if failure is not None:
                 raise failure
+            if comm.global_rank == 0 and target not in self._saves:  # a commit with no check_target before it
+                self._saves[target] = self._retrying(target, "checking", lambda: self._begin(target))
             return self._retrying(target, "uploading to", lambda: self._upload(staged, target, token))
 
         try:
@@ -170,14 +191,15 @@ class FsspecStore:
                      if comm.global_rank == 0 else None)
         except BaseException:
             if comm.global_rank == 0:
-                with contextlib.suppress(Exception):  # best effort: the next save to this path removes them too
-                    self.fs.rm(join(target, "." + token), recursive=True)
+                with contextlib.suppress(Exception):  # best effort: `clean` and later saves remove them once stale
+                    self._remove_uncommitted(target, token)
             raise
         finally:
             self.discard(staged, comm.global_rank)
+            begun = self._saves.pop(target, None) if comm.global_rank == 0 else None
         if comm.global_rank == 0:
             with contextlib.suppress(Exception):  # committed; leftovers are removed by the next save or `clean`
-                clean_target(self.fs, target, keep=token)
+                self._after_commit(target, begun)
 
     def commit_in_background(self, staged: Path, target: Any, comm: Any, failure: Optional[BaseException]) -> None:
         self.commit(staged, target, comm, group=getattr(comm, "process_group", None), failure=failure)
@@ -205,7 +227,38 @@ class FsspecStore:
         self._retrying(target, "committing", lambda: self._put_commit(url, payload))
 
     def _put_commit(self, url: str, payload: bytes) -> None:
-        put_if(self.fs, url, payload, version_of(self.fs, url))
+        """PUT COMMIT only if it is still the version this save began with, and only once every object it names is
+        there with its size: a COMMIT never names objects that are gone (issue 42)."""
+        target = url.rsplit("/", 1)[0]
+        begun = self._saves.get(target) or self._saves.setdefault(target, self._begin(target))
+        record = json.loads(payload)
+        remote_clean.check_uploaded(self.fs, target, record["token"], record["objects"])
+        try:
+            put_if(self.fs, url, payload, begun["version"])
+        except FileExistsError as err:
+            current = self._current(target)
+            if current is not None and current["token"] == record["token"]:
+                return  # an earlier attempt of this PUT landed, and its answer was lost
+            raise lost_race(target, current) from err
+
+    def _current(self, target: str) -> Optional[dict[str, Any]]:
+        """The COMMIT there now, or None (none, or unreadable)."""
+        with contextlib.suppress(Exception):
+            return self.read_commit(target)
+        return None
+
+    def _remove_uncommitted(self, target: str, token: str) -> None:
+        """A failed save's objects, unless the COMMIT there names them (a PUT that landed, answered by an error)."""
+        current = self.read_commit(target)
+        if current is None or current["token"] != token:
+            remove_token(self.fs, target, token)
+
+    def _after_commit(self, target: str, begun: Optional[dict[str, Any]]) -> None:
+        """Remove the one token the COMMIT this save replaced named (a token is committed by one save only), then
+        stale leftovers; never what the COMMIT there now names (re-read: another save may have committed since)."""
+        current = self.read_commit(target)
+        committed = None if current is None else current["token"]
+        remote_clean.sweep(self.fs, target, committed, remote_clean.GRACE_S, replaced=(begun or {}).get("replaced"))
 
     def discard(self, staged: Path, rank: int) -> None:
         shutil.rmtree(Path(staged).parent, ignore_errors=True)
@@ -254,7 +307,7 @@ class FsspecStore:
             return record
 
         record = comm.broadcast(together(comm, f"Opening the checkpoint {target!r}", read))
-        root = Path(tempfile.mkdtemp(prefix="lightning-fsdp-load-"))
+        root = Path(tempfile.mkdtemp(prefix=load_prefix()))
         local = root / (record.get("name") or "checkpoint")
         try:
             together(comm, f"Downloading the checkpoint {target!r}",
@@ -331,15 +384,16 @@ class FsspecStore:
         return self.read_commit(self.target(path)) is not None
 
     def remove(self, target: Any) -> None:
-        """Remove a checkpoint: its COMMIT first (it is then gone for every reader), then its objects."""
+        """Remove a checkpoint: its COMMIT first (it is then gone for every reader), then the objects of the save it
+        named, then stale leftovers of other saves: exact keys, nothing else under it (:mod:`.remote_clean`)."""
         target = self.target(target)
         fs = self.fs
+        record = None
+        with contextlib.suppress(CheckpointError, ValueError):  # a damaged COMMIT: its objects go once stale
+            record = self.read_commit(target)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(join(target, COMMIT_NAME))
-        fs.invalidate_cache()
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(target, recursive=True)
-        clean_target(fs, target, keep=None)
+        remote_clean.remove_rest(fs, target, None if record is None else record["token"])
 
     def checkpoints_in(self, directory: Any) -> list[tuple[str, str, dict]]:
         """The committed checkpoints directly in ``directory``: the listing names candidates (a fresh one, not a
@@ -365,19 +419,52 @@ class FsspecStore:
     # --- errors ---------------------------------------------------------------------------------------------
 
     def _retrying(self, target: str, what: str, step: Callable[[], Any]) -> Any:
+        if what == "downloading":
+            step = self._noticing_changes(target, step)
         return retrying(self.fs, target, what, step)
+
+    def _noticing_changes(self, target: str, step: Callable[[], Any]) -> Callable[[], Any]:
+        """``step``, where an object gone while a load fetched it is said for what it is (issue 45): the checkpoint
+        was replaced or removed meanwhile (the COMMIT there now names objects that are all there, or there is none),
+        or it is damaged (its own COMMIT names objects that are gone)."""
+        def run() -> Any:
+            try:
+                return step()
+            except FileNotFoundError as err:
+                if err.errno is not None:
+                    raise  # ours, already said
+                raise changed_while_read(self.fs, target, self._current(target)) from err
+        return run
 
     def explain(self, err: BaseException, target: str, what: str) -> BaseException:
         return explain(err, target, what)
 
 
-def clean(url: str, storage_options: Optional[dict[str, Any]] = None) -> list[str]:
-    """Remove what unfinished saves left at the checkpoint ``url`` (objects no COMMIT names, incomplete multipart
-    uploads); a committed checkpoint there is kept. Returns what was removed. (``lightning-fsdp clean URL``.)"""
+def clean(url: str, storage_options: Optional[dict[str, Any]] = None, grace_s: Optional[float] = None) -> Swept:
+    """Remove what saves that never committed left at the checkpoint ``url`` (``lightning-fsdp clean URL``): the
+    token prefixes no COMMIT names whose newest object (and multipart upload) is older than ``grace_s`` (default
+    :data:`.remote_clean.GRACE_S`) by the store's clock, with their incomplete multipart uploads. The committed
+    checkpoint, younger tokens (a save may still be uploading) and every object no save of this project wrote stay.
+    Returns what was removed (``.kept``: the younger tokens; ``.found``: whether any token was there)."""
     store = FsspecStore(split_url(url)[0], storage_options)
     target = store.target(url)
-    record = store.read_commit(target)
-    return clean_target(store.fs, target, keep=None if record is None else record["token"])
+    grace = remote_clean.GRACE_S if grace_s is None else float(grace_s)
+
+    def run() -> Swept:
+        missing = store._missing_bucket(target)
+        if missing is not None:
+            raise missing
+        try:
+            record = store.read_commit(target)
+        except (CheckpointError, ValueError) as err:
+            why = getattr(err.__cause__, "why", None) or str(err)
+            raise type(err)(f"The COMMIT of {target!r} cannot be read ({why}), so `clean` cannot tell the committed"
+                            " save's objects from leftovers, and removed nothing. HINT: save to that URL again (a save"
+                            " replaces its COMMIT), or remove the checkpoint yourself.") from err
+        swept = remote_clean.sweep(store.fs, target, None if record is None else record["token"], grace)
+        swept.checkpoint = record is not None
+        return swept
+    return store._retrying(target, "cleaning", run)
 
 
 def _leaf(listed: str) -> str:
@@ -386,7 +473,7 @@ def _leaf(listed: str) -> str:
 
 
 def _token_of(staged: Path) -> str:
-    return staged.parent.name[len("lightning-fsdp-"):].rsplit("-r", 1)[0]
+    return token_of_staging(staged.parent)
 
 
 def _gather(mine: Any, group: Any) -> list[Any]:

@@ -13,7 +13,9 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["is_url", "split_url", "join", "basename", "parent", "filesystem", "check_storage_options", "EXTRAS"]
+__all__ = [
+    "is_url", "split_url", "normalize", "join", "basename", "parent", "filesystem", "check_storage_options", "EXTRAS",
+]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
@@ -44,6 +46,13 @@ def split_url(url: str) -> tuple[str, str]:
     match = _SCHEME.match(url)
     assert match is not None
     return match.group(1).lower(), url[match.end():].rstrip("/")
+
+
+def normalize(url: str) -> str:
+    """``url`` with its scheme in lower case (``S3://Bucket/x`` is ``s3://Bucket/x``), the rest as given: fsspec
+    strips only a lower-case protocol, and would read ``S3:`` as the bucket."""
+    match = _SCHEME.match(url)
+    return url if match is None else match.group(1).lower() + url[len(match.group(1)):]
 
 
 def join(url: str, *names: str) -> str:
