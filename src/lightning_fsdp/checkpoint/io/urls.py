@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_fsdp._base.secrets import shown
+
 __all__ = [
     "is_url", "split_url", "normalize", "join", "basename", "parent", "filesystem", "check_storage_options", "EXTRAS",
 ]
@@ -74,7 +76,7 @@ def check_storage_options(value: Any, where: str = "storage_options") -> Optiona
         return None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(
-            f"`{where}={value!r}` must be a dict of keyword arguments for the fsspec filesystem (or None). HINT: for"
+            f"`{where}={shown(value)}` must be a dict of keyword arguments for the fsspec filesystem (or None). HINT: for"
             " an S3-compatible endpoint: `storage_options={'endpoint_url': 'http://host:9000'}`; credentials can also"
             " come from the environment (AWS_ACCESS_KEY_ID, ...)."
         )
