@@ -22,6 +22,7 @@ import time
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import conditional_azure, conditional_gcs
+from lightning_fsdp.checkpoint.io.remote_errors import lost_write
 
 __all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "UNTESTED"]
 
@@ -83,12 +84,12 @@ def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
     store = _store_of(fs)
     if store is not None:
         warn_untested(store)
-        store.put_if(fs, url, payload, version, _lost)
+        store.put_if(fs, url, payload, version)
         return
     fs.invalidate_cache(url)
     if not supports_conditions(fs):  # a store without conditional writes here: compare, then one atomic PUT
         if version_of(fs, url) != version:
-            raise _lost(url)
+            raise lost_write(url)
         fs.pipe_file(url, payload)
         fs.invalidate_cache(url)
         return
@@ -102,7 +103,7 @@ def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
         # version this save began from is gone. 409: another conditional write to it is in flight.
         if codes & {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"} or (
                 version and codes & {"NoSuchKey", "404"}):
-            raise _lost(url) from err
+            raise lost_write(url) from err
         raise
     fs.invalidate_cache(url)
 
@@ -121,12 +122,6 @@ def _codes(err: BaseException) -> set[str]:
             codes.add("PreconditionFailed")
         err, seen = err.__cause__ or err.__context__, seen + 1
     return codes
-
-
-def _lost(url: str) -> FileExistsError:
-    return FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this one was"
-                           " uploading, so this one was not committed (the other one stands). HINT: give each writer"
-                           " its own checkpoint path.")
 
 
 def lost_race(target: str, current: Optional[dict[str, Any]]) -> FileExistsError:

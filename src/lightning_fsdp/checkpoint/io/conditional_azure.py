@@ -15,7 +15,9 @@ until then they count against the account. :func:`uncommitted_blobs` lists them 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from lightning_fsdp.checkpoint.io.remote_errors import lost_write
 
 __all__ = ["version_of", "put_if", "uncommitted_blobs", "discard_uncommitted"]
 
@@ -35,9 +37,9 @@ def version_of(fs: Any, url: str) -> Optional[str]:
     return str(info["etag"])
 
 
-def put_if(fs: Any, url: str, payload: bytes, version: Optional[str], lost: Callable[[str], Exception]) -> None:
+def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
     """Write ``payload`` at ``url`` only if the blob is still at ETag ``version`` (None: only if there is none); a
-    refusal raises ``lost(url)``."""
+    refusal raises :func:`~lightning_fsdp.checkpoint.io.remote_errors.lost_write`."""
     from azure.core import MatchConditions
     from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
 
@@ -47,11 +49,11 @@ def put_if(fs: Any, url: str, payload: bytes, version: Optional[str], lost: Call
     try:
         fs.pipe_file(url, payload, **condition)
     except (FileExistsError, ResourceExistsError, ResourceModifiedError) as err:
-        raise lost(url) from err
+        raise lost_write(url) from err
     except ResourceNotFoundError as err:
         if version is None:
-            raise FileNotFoundError(f"{url!r}: {err}") from err  # a missing container, said by the caller
-        raise lost(url) from err
+            raise FileNotFoundError(f"{url!r}: {err}. HINT: create the container, or fix the checkpoint URL.") from err  # a missing container
+        raise lost_write(url) from err
     finally:
         fs.invalidate_cache(url)
 

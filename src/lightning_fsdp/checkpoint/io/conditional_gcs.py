@@ -3,7 +3,7 @@
 GCS gives every write of an object a new ``generation`` number, and an upload with ``ifGenerationMatch=G`` lands only
 if the live object is still at generation ``G`` (``0``: only if there is no live object); otherwise the service
 answers 412, which gcsfs raises as ``FileExistsError``. A replace-if-version whose object was removed meanwhile may be
-answered 404 instead. Both are a lost race (:func:`put_if` raises what ``lost`` makes).
+answered 404 instead. Both are a lost race (:func:`put_if` raises :func:`~lightning_fsdp.checkpoint.io.remote_errors.lost_write`).
 
 The upload is one media upload (``uploadType=media``) through gcsfs's own request call, so its credentials, endpoint
 (``STORAGE_EMULATOR_HOST``, ``endpoint_url``) and session apply: gcsfs's ``pipe_file`` has no way to pass a
@@ -16,7 +16,9 @@ GCS refuses; a save on GCS says so once (``conditional.warn_untested``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from lightning_fsdp.checkpoint.io.remote_errors import lost_write
 from urllib.parse import quote
 
 __all__ = ["version_of", "put_if"]
@@ -38,9 +40,9 @@ def version_of(fs: Any, url: str) -> Optional[str]:
     return str(generation)
 
 
-def put_if(fs: Any, url: str, payload: bytes, version: Optional[str], lost: Callable[[str], Exception]) -> None:
+def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
     """Write ``payload`` at ``url`` only if the live object is still at generation ``version`` (None: only if there is
-    none); a refusal raises ``lost(url)``."""
+    none); a refusal raises :func:`~lightning_fsdp.checkpoint.io.remote_errors.lost_write`."""
     bucket, key, _ = fs.split_path(url)
     fs.invalidate_cache(url)
     try:
@@ -48,10 +50,10 @@ def put_if(fs: Any, url: str, payload: bytes, version: Optional[str], lost: Call
                 name=key, ifGenerationMatch=version if version is not None else "0", data=payload,
                 headers={"Content-Type": "application/octet-stream"}, json_out=True)
     except FileExistsError as err:  # gcsfs's reading of 412 Precondition Failed
-        raise lost(url) from err
+        raise lost_write(url) from err
     except FileNotFoundError as err:
         if version is None:
             raise  # a missing bucket, said by the caller
-        raise lost(url) from err  # the generation this save began from is gone
+        raise lost_write(url) from err  # the generation this save began from is gone
     finally:
         fs.invalidate_cache(url)

@@ -197,3 +197,18 @@ def damaged(url: str, why: str) -> Exception:
 
     return ChecksumError(f"The object {url!r} is damaged: {why}. HINT: load an earlier checkpoint, or save this one"
                          " again.")
+
+
+def lost_write(url: str) -> FileExistsError:
+    """The error of a conditional write of ``url`` that the store refused: another writer got there first."""
+    return FileExistsError(errno.EEXIST, f"Another save committed {url.rsplit('/', 1)[0]!r} while this one was"
+                           " uploading, so this one was not committed (the other one stands). HINT: give each writer"
+                           " its own checkpoint path.")
+
+
+def renamed(err: BaseException, local: str, target: str) -> BaseException:
+    """``err`` with the temporary local copy's path replaced by the URL it came from, in its message."""
+    err.args = tuple(a.replace(local, target) if isinstance(a, str) else a for a in err.args)
+    if isinstance(err, OSError) and isinstance(err.strerror, str):
+        err.strerror = err.strerror.replace(local, target)
+    return err
