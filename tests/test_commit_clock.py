@@ -10,32 +10,15 @@ counter would carry the second job past the bug.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 
 import pytest
 import torch
 
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
+
 DAY_S = 86_400
-
-
-class _OneProcess:
-    """The collectives of a save in this one process (no process group: the pytest process never creates one)."""
-
-    global_rank = 0
-
-    def barrier(self):
-        pass
-
-    def broadcast(self, obj, src=0):
-        return obj
-
-    def agree(self, error):
-        return None if error is None else (0, error)
-
-    def guard(self, phase):
-        return contextlib.nullcontext()
 
 
 @pytest.fixture()
@@ -63,9 +46,9 @@ def _save(directory, step, sharded):
     if sharded:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP "assumes" one process: that is the intent here
-            write_sharded(path, {"model": model}, {"step": step}, _OneProcess())
+            write_sharded(path, {"model": model}, {"step": step}, OneProcess())
     else:
-        write_full(path, {"model": model, "step": step}, _OneProcess())
+        write_full(path, {"model": model, "step": step}, OneProcess())
     return path
 
 

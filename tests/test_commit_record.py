@@ -113,7 +113,9 @@ def test_a_crafted_commit_fetches_nothing_and_writes_nothing_outside_the_load(s3
 
     refused(load)
     refused(lambda: store_for(url).verify(url))
-    refused(lambda: newest_good_checkpoint(run))
+    with pytest.warns(UserWarning, match="fails verification") as skipped:  # damage: `latest` skips it, naming it
+        assert newest_good_checkpoint(run) is None
+    assert any(commit in str(w.message) and "damaged" in str(w.message) for w in skipped.list)
     shown = run_cli(["inspect", "--verify", url], cwd=tmp_path)
     assert shown.returncode == 1 and shown.stdout == "", shown.stderr
     assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr, shown.stderr
@@ -227,8 +229,8 @@ def test_a_commit_carries_its_digest_and_an_edited_order_key_is_damage(s3, saved
     shown = run_cli(["inspect", "--verify", saved], cwd=tmp_path)
     assert "damaged" in shown.stderr, shown.stderr
     one_line_damage(shown, commit)
-    with pytest.raises(ChecksumError, match="COMMIT' is damaged: its bytes do not match the digest"):
-        newest_good_checkpoint(saved.rsplit("/", 1)[0])
+    with pytest.warns(UserWarning, match="COMMIT' is damaged: its bytes do not match the digest"):
+        assert newest_good_checkpoint(saved.rsplit("/", 1)[0]) is None  # damage: skipped and named, never latest
 
 
 def test_a_truncated_commit_is_damage_with_exit_1_for_every_command(s3, saved, tmp_path):
@@ -242,3 +244,27 @@ def test_a_truncated_commit_is_damage_with_exit_1_for_every_command(s3, saved, t
     one_line_damage(run_cli(["clean", saved], cwd=tmp_path), saved, hint="HINT:")
     assert not (tmp_path / "out.pt").exists()
     assert fs.cat_file(commit) == payload[: len(payload) // 2], "clean changed what it could not read"
+
+
+def test_a_damaged_commit_beside_good_ones_is_skipped_as_damage_and_blocks_nothing(s3):
+    """One damaged COMMIT in a run directory (cut short here) is one damaged checkpoint: it records no order that can
+    be trusted, so it sorts before every checkpoint that does (as a local one with an unreadable manifest does);
+    ``latest`` resumes from the good one, a save into that directory still commits above it, and retention runs.
+    Before, the listing raised its damage error, so every save, ``latest`` and retention of the whole directory
+    failed."""
+    from test_commit_clock import _save
+
+    from lightning_fsdp.checkpoint.latest import newest_good_checkpoint, step_checkpoints
+    from lightning_fsdp.checkpoint.retention import prune
+
+    directory = f"s3://{s3.bucket()}/run"
+    step_1, step_2 = _save(directory, 1, True), _save(directory, 2, True)
+    fs = s3.filesystem()
+    fs.pipe_file(f"{step_2}/COMMIT", fs.cat_file(f"{step_2}/COMMIT")[:40])
+    assert [str(p) for p in step_checkpoints(directory)] == [step_2, step_1]
+    assert str(newest_good_checkpoint(directory)) == step_1
+    step_3 = _save(directory, 3, True)
+    assert [str(p) for p in step_checkpoints(directory)] == [step_2, step_1, step_3]
+    assert str(newest_good_checkpoint(directory)) == step_3
+    assert [str(p) for p in prune(directory, keep_last=1)] == [step_2, step_1]
+    assert [str(p) for p in step_checkpoints(directory)] == [step_3]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = ["OneProcess"]
@@ -21,3 +22,7 @@ class OneProcess:
 
     def agree(self, error: Any) -> Any:
         return None if error is None else (0, error)
+
+    def guard(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Nothing to watch: no other rank can fail while this one waits."""
+        return contextlib.nullcontext()

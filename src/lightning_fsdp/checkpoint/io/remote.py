@@ -44,7 +44,7 @@ from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io import remote_clean
 from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
                                                        remove_token, staging_root, token_of_staging)
-from lightning_fsdp.checkpoint.io.remote_errors import damaged, explain, retrying
+from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, damaged, explain, retrying
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
@@ -87,11 +87,17 @@ class FsspecStore:
 
     def fingerprint(self, path: Any) -> tuple:
         """The save its COMMIT names: a new save there is a new token (one GET)."""
-        record = self.read_commit(self.target(path))
+        try:
+            record = self.read_commit(self.target(path))
+        except CheckpointError as err:  # damaged: what is remembered about it holds until its COMMIT changes
+            return ("damaged", str(err))
         return () if record is None else (record["token"], record.get(COMMIT_ORDER_KEY))
 
     def commit_order(self, path: Any) -> Optional[int]:
-        return commit_order_value(self.read_commit(self.target(path)))
+        try:
+            return commit_order_value(self.read_commit(self.target(path)))
+        except CheckpointError:  # a damaged COMMIT records no order it can be trusted for: it sorts first
+            return None
 
     def verify(self, path: Any) -> bool:
         """Fetch the committed objects (checked against COMMIT) and run the local verification on them."""
@@ -411,7 +417,10 @@ class FsspecStore:
             if name.startswith(".") or name == COMMIT_NAME:
                 continue
             url = join(directory, name)
-            record = self.read_commit(url)
+            try:
+                record = self.read_commit(url)
+            except CheckpointError as err:  # damaged: still a candidate, which `latest` skips and names as damaged
+                record = {"damaged": str(err)}
             if record is not None:
                 found.append((name, url, record))
         return found
@@ -482,15 +491,3 @@ def _gather(mine: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)
     return out
-
-
-
-
-
-
-def _renamed(err: BaseException, local: str, target: str) -> BaseException:
-    """``err`` with the temporary local copy's path replaced by the URL it came from, in its message."""
-    err.args = tuple(a.replace(local, target) if isinstance(a, str) else a for a in err.args)
-    if isinstance(err, OSError) and isinstance(err.strerror, str):
-        err.strerror = err.strerror.replace(local, target)
-    return err
