@@ -3,11 +3,10 @@ loads against a real S3 server (moto's, in this process) in one launch (``worker
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from launch import launch, torchrun, worker_env
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
 
 CASES = [
     "sharded_save_and_load_in_a_bucket_are_exact",
@@ -77,19 +76,7 @@ def test_a_rank_killed_mid_upload_leaves_the_previous_step_loadable_exactly(s3_s
 # ------------------------------------------------------------------------------------------- memory://, one process
 
 
-class _Alone:
-    """The collectives of one process: what a save or load needs from ``comm``."""
-
-    global_rank = 0
-
-    def barrier(self):
-        pass
-
-    def broadcast(self, obj, src=0):
-        return obj
-
-    def agree(self, error):
-        return None if error is None else (0, error)
+_Alone = OneProcess  # the collectives of one process: what a save or load needs from ``comm``
 
 
 def _stage(store, url, token, files):

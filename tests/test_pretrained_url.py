@@ -15,6 +15,7 @@ from safetensors.torch import save as safetensors_bytes
 from lightning_fsdp import load_pretrained
 from lightning_fsdp.checkpoint.formats.safetensors_stream import RangedFile
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
+from lightning_fsdp.checkpoint.io.one_process import OneProcess
 
 pytestmark = pytest.mark.single_process
 
@@ -115,24 +116,7 @@ def test_ranged_reads_fetch_only_the_rows_a_slice_needs(s3):
     assert torch.equal(piece, weights["fc.weight"][:, 2:4])
 
 
-class _OneProcess:
-    """What ``load_checkpoint`` needs of a front's engine, in this one process."""
-
-    global_rank = 0
-
-    def guard(self, what):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def barrier(self):
-        pass
-
-    def broadcast(self, obj, src=0):
-        return obj
-
-    def agree(self, error):
-        return None if error is None else (0, error)
+_OneProcess = OneProcess  # the collectives of one process
 
 
 def test_load_raw_of_safetensors_at_a_url_reads_them_in_place(s3):

@@ -41,7 +41,7 @@ from lightning_fsdp.checkpoint.io.store import Target, store_for
 
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
-    "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories",
+    "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories", "unread_directory",
 ]
 
 LATEST = "latest"
@@ -160,6 +160,19 @@ def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> Non
 _UNREAD: dict[str, str] = {}
 
 
+def _directory_key(directory: Union[str, Path], storage_options: Optional[dict]) -> str:
+    store = store_for(directory, storage_options)
+    return str(store.target(directory))
+
+
+def unread_directory(directory: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[str]:
+    """Why the last search of ``directory`` for its newest good checkpoint, in this process, could not read the store
+    (None when it could, or there was none): retention there must not delete anything until a search succeeds."""
+    key = _directory_key(directory, storage_options)
+    with _KNOWN_LOCK:
+        return _UNREAD.get(key)
+
+
 def unread_directories() -> dict[str, str]:
     """The directories (and why) whose last search for the newest good checkpoint in this process could not read
     their store."""
@@ -177,7 +190,7 @@ def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optiona
     retention is off in this process until a search of ``directory`` succeeds. Reads each checked checkpoint in full
     (once per process), so call it on one rank and share the answer (:func:`find_newest_on_rank_zero`).
     """
-    key, candidate = str(directory), None
+    key, candidate = _directory_key(directory, storage_options), None
     try:
         with one_budget():  # one bound for every store call of the search
             for candidate in reversed(step_checkpoints(directory, storage_options)):

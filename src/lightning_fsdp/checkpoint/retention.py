@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from lightning_fsdp.checkpoint.io.store import Target, store_for
-from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, unread_directories, verification_failure
+from lightning_fsdp.checkpoint.latest import step_checkpoints, step_of, unread_directory, verification_failure
 
 __all__ = ["check_retention", "to_delete", "prune"]
 
@@ -68,12 +68,11 @@ def prune(directory: Union[str, Path], keep_last: Optional[int], keep_every: Opt
           storage_options: Optional[dict] = None) -> list[Target]:
     """Delete what :func:`to_delete` names (call it on one rank, after a commit), through the store that keeps
     ``directory`` (a URL's commit object goes first). Returns the deleted paths."""
-    unread = unread_directories()
-    if unread:
-        where, why = next(iter(unread.items()))
+    why = unread_directory(directory, storage_options)
+    if why is not None:
         raise RuntimeError(
-            f"Retention in {str(directory)!r} deletes nothing in this process: finding the newest checkpoint in"
-            f" {where!r} could not read its store ({why[:300]}), so what is there is unknown, and deleting could remove"
+            f"Retention in {str(directory)!r} deletes nothing in this process: finding the newest checkpoint there"
+            f" could not read its store ({why[:300]}), so what is there is unknown, and deleting could remove"
             " the checkpoint this run should have resumed from. HINT: stop this run and start it again once the store"
             " answers, so that it resumes from its newest checkpoint (or find it again, `StepCheckpoints.latest()`,"
             " which turns retention back on once it succeeds)."

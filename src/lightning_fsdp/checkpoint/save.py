@@ -294,7 +294,19 @@ class AsyncSaves:
         self._removals.hold()
         in_flight.track(self, comm, self._group)
         group_comm = in_flight.GroupComm(comm.global_rank, self._group)
-        future.add_done_callback(lambda f: self._commit_when_written(f, staged, target, store, group_comm))
+        caller = threading.get_ident()
+
+        def on_written(f: Future) -> None:
+            args = (f, staged, target, store, group_comm)
+            if threading.get_ident() == caller:
+                # Written before the callback was added: `add_done_callback` runs it here, on the saving thread,
+                # which would make this save synchronous (and its upload hold up training). Commit in the
+                # background all the same.
+                threading.Thread(target=self._commit_when_written, args=args, name="lightning-fsdp-commit").start()
+            else:
+                self._commit_when_written(*args)
+
+        future.add_done_callback(on_written)
 
     def _commit_when_written(self, future: Future, staged: Path, target: Target, store: Any, comm: Any) -> None:
         try:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import conditional_azure, conditional_gcs
 from lightning_fsdp.checkpoint.io.remote_errors import lost_write
+from lightning_fsdp.checkpoint.io.urls import fresh_info
 
 __all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "UNTESTED"]
 
@@ -67,10 +68,8 @@ def version_of(fs: Any, url: str) -> Optional[str]:
     store = _store_of(fs)
     if store is not None:
         return store.version_of(fs, url)
-    fs.invalidate_cache(url)
-    try:
-        info = fs.info(url)
-    except FileNotFoundError:
+    info = fresh_info(fs, url)
+    if info is None:
         return None
     tag = info.get("ETag") or info.get("etag") or info.get("generation")
     if tag:

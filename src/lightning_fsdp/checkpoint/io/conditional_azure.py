@@ -18,16 +18,15 @@ import contextlib
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io.remote_errors import lost_write
+from lightning_fsdp.checkpoint.io.urls import fresh_info
 
 __all__ = ["version_of", "put_if", "uncommitted_blobs", "discard_uncommitted"]
 
 
 def version_of(fs: Any, url: str) -> Optional[str]:
     """The ETag of the blob at ``url``, or None when there is none."""
-    fs.invalidate_cache(url)
-    try:
-        info = fs.info(url)
-    except FileNotFoundError:
+    info = fresh_info(fs, url)
+    if info is None:
         return None
     if info.get("type") == "directory" or not info.get("etag"):
         # A folder (blobs under that name as a prefix) has no ETag: no condition could be written over it.

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io.remote_errors import lost_write
+from lightning_fsdp.checkpoint.io.urls import fresh_info
 from urllib.parse import quote
 
 __all__ = ["version_of", "put_if"]
@@ -26,10 +27,8 @@ __all__ = ["version_of", "put_if"]
 
 def version_of(fs: Any, url: str) -> Optional[str]:
     """The generation of the live object at ``url`` (a decimal string), or None when there is none."""
-    fs.invalidate_cache(url)
-    try:
-        info = fs.info(url)
-    except FileNotFoundError:
+    info = fresh_info(fs, url)
+    if info is None:
         return None
     generation = info.get("generation")
     if not generation:

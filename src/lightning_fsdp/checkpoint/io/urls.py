@@ -17,6 +17,7 @@ from lightning_fsdp._base.secrets import shown
 
 __all__ = [
     "is_url", "split_url", "normalize", "join", "basename", "parent", "filesystem", "check_storage_options", "EXTRAS",
+    "fresh_info",
 ]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -106,3 +107,12 @@ def filesystem(url: str, storage_options: Optional[dict[str, Any]] = None) -> An
     from lightning_fsdp.checkpoint.io.remote_errors import bounded_filesystem  # a fresh instance, within the bound
 
     return bounded_filesystem(cls, protocol, storage_options)
+
+
+def fresh_info(fs: Any, url: str) -> Optional[dict[str, Any]]:
+    """What the store says of the object at ``url`` now (not a cached listing), or None when there is none."""
+    fs.invalidate_cache(url)
+    try:
+        return fs.info(url)
+    except FileNotFoundError:
+        return None
