@@ -105,7 +105,7 @@ class StepCheckpoints:
 
         Raises on every rank when the store could not be read (``ConnectionError`` naming the URL, within the
         store's bound, ``LFSDP_STORE_TIMEOUT_S``, default 60 s): an unreadable store is never taken for an empty or
-        damaged directory, and retention deletes nothing in this process until a later call succeeds."""
+        damaged directory, and retention in this directory deletes nothing in this process until a later call succeeds."""
         found = find_newest_on_rank_zero(self.directory, self.fabric.strategy.communicator, self._options)
         return None if found is None else self._store.target(found)
 

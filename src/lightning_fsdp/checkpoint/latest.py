@@ -21,9 +21,9 @@ match, a reader's refusal) make a checkpoint damaged, skipped and remembered. A 
 network error, a timeout, refused access, an object gone while it was read:
 :func:`~lightning_fsdp.checkpoint.io.remote_errors.could_not_read`) says nothing of the checkpoint: the search stops
 with an error naming the URL, within the store's bound (``LFSDP_STORE_TIMEOUT_S``, default 60 s, one budget for the
-whole search), nothing is remembered, and retention is off in this process until a search of that directory succeeds
-(:func:`unread_directories`), since deleting then could remove the checkpoint the run should have resumed from. The
-other ranks wait for rank 0's answer in one agreement, so they raise the same error, within the same bound.
+whole search), nothing is remembered, and retention in that directory is off in this process until a search of it
+succeeds (:func:`unread_directory`), since deleting then could remove the checkpoint the run should have resumed
+from. The other ranks wait for rank 0's answer in one agreement, so they raise the same error, within the same bound.
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optiona
     Each one committed later that is damaged (bytes read and found wrong) is skipped with a warning naming it and
     the reason. A store that could not be read is no damage: the search raises (``ConnectionError``, or the
     ``PermissionError`` of refused access), naming the URL, within the store's bound for the whole search, and
-    retention is off in this process until a search of ``directory`` succeeds. Reads each checked checkpoint in full
-    (once per process), so call it on one rank and share the answer (:func:`find_newest_on_rank_zero`).
+    retention in ``directory`` is off in this process until a search of it succeeds. Reads each checked checkpoint in
+    full (once per process), so call it on one rank and share the answer (:func:`find_newest_on_rank_zero`).
     """
     key, candidate = _directory_key(directory, storage_options), None
     try:
@@ -224,8 +224,8 @@ def _unread(directory: str, candidate: Optional[Target], err: BaseException) -> 
     hint = "" if "HINT" in cause else (f" HINT: run again once the store answers (an unreachable store is retried"
                                        f" for at most {_bound()} s in all; {TIMEOUT_VARIABLE} sets it).")
     text = (f"Could not read {where} while finding the newest good checkpoint in {directory!r}: it was not taken for"
-            " damaged, nothing older was chosen instead, and retention is off in this process until a search of that"
-            f" directory succeeds; do not start the run from scratch. ({cause}){hint}")
+            " damaged, nothing older was chosen instead, and retention there is off in this process until a search of"
+            f" that directory succeeds; do not start the run from scratch. ({cause}){hint}")
     return PermissionError(err.errno, text) if isinstance(err, PermissionError) else ConnectionError(text)
 
 

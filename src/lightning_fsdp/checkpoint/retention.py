@@ -14,10 +14,10 @@ Rules, each for a failure it prevents:
   A save still in flight, a background one included, is not yet there: the older checkpoints it would replace stay
   until it is committed, so a crash during that save still leaves one to resume from.
 - Names without a step number and anything that is not a checkpoint are left alone: they are the user's.
-- Nothing is deleted in a process whose search for the newest good checkpoint could not read its store (a resume
-  during an outage, :func:`.latest.unread_directories`): what is there is unknown, and a run that went on anyway
-  would delete the checkpoint it should have resumed from (issue 45). A checkpoint that could not be read during
-  retention itself stops it the same way, with an error naming it.
+- Nothing is deleted in a directory whose last search for the newest good checkpoint, in this process, could not
+  read its store (a resume during an outage, :func:`.latest.unread_directory`): what is there is unknown, and a run
+  that went on anyway would delete the checkpoint it should have resumed from (issue 45). A checkpoint that could not
+  be read during retention itself stops it the same way, with an error naming it.
 
 Verification reads a checkpoint in full, once per process (:func:`.latest.verification_failure` remembers it while
 its files are unchanged), and the checkpoint just committed is not read back (:func:`.latest.trust`).
