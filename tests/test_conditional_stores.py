@@ -241,3 +241,25 @@ def test_azure_uncommitted_blocks_of_a_killed_upload_are_listed_and_discarded(az
     assert discard_uncommitted(fs, found) == found
     assert uncommitted_blobs(fs, url) == []
     assert fs.cat_file(f"{url}/.aaaaaaaaaaaa/kept.distcp") == b"committed"
+
+
+def test_azure_removing_a_token_discards_its_uncommitted_blocks_and_keeps_the_committed_save(azurite):
+    """A killed save's token on Azure: its committed objects and the staged blocks of its unfinished upload go when
+    the token is swept (as S3's multipart uploads are aborted); the committed save's objects stay."""
+    from azure.storage.blob import BlobServiceClient
+
+    from lightning_fsdp.checkpoint.io.conditional_azure import uncommitted_blobs
+    from lightning_fsdp.checkpoint.io.remote_clean import sweep
+
+    container = azurite.container()
+    fs = azurite.filesystem()
+    url = f"az://{container}/run/ckpt"
+    fs.pipe_file(f"{url}/.aaaaaaaaaaaa/kept.distcp", b"committed")
+    fs.pipe_file(f"{url}/.bbbbbbbbbbbb/.metadata", b"killed save")
+    service = BlobServiceClient.from_connection_string(azurite.connection_string)
+    service.get_blob_client(container, "run/ckpt/.bbbbbbbbbbbb/__0_0.distcp").stage_block("YmxvY2stMDAwMQ==", b"x" * 9)
+    assert uncommitted_blobs(fs, url) == [f"az://{container}/run/ckpt/.bbbbbbbbbbbb/__0_0.distcp"]
+    swept = sweep(fs, url, "aaaaaaaaaaaa", grace_s=0)
+    assert f"az://{container}/run/ckpt/.bbbbbbbbbbbb/__0_0.distcp (uncommitted blocks)" in swept, list(swept)
+    assert uncommitted_blobs(fs, url) == []
+    assert fs.find(url) == [f"{container}/run/ckpt/.aaaaaaaaaaaa/kept.distcp"]

@@ -25,7 +25,7 @@ from lightning_fsdp.checkpoint.io import conditional_azure, conditional_gcs
 from lightning_fsdp.checkpoint.io.remote_errors import lost_write
 from lightning_fsdp.checkpoint.io.urls import fresh_info
 
-__all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "UNTESTED"]
+__all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "store_of", "UNTESTED"]
 
 # GCS and Azure: each store's own condition (``conditional_gcs``, ``conditional_azure``), chosen by fsspec protocol.
 _STORES = {"gs": conditional_gcs, "gcs": conditional_gcs, "abfs": conditional_azure, "az": conditional_azure,
@@ -37,7 +37,7 @@ UNTESTED = {conditional_gcs: ("GCS", "gcp-storage-emulator, which the tests run,
 _WARNED: set[Any] = set()
 
 
-def _store_of(fs: Any) -> Any:
+def store_of(fs: Any) -> Any:
     """The module of the store-specific condition for ``fs`` (None: S3, or a store without one)."""
     if getattr(fs, "call_s3", None) is not None:
         return None
@@ -59,13 +59,13 @@ def warn_untested(store: Any) -> None:
 
 def supports_conditions(fs: Any) -> bool:
     """Whether this filesystem's writes of a COMMIT are conditional here."""
-    return getattr(fs, "call_s3", None) is not None or _store_of(fs) is not None
+    return getattr(fs, "call_s3", None) is not None or store_of(fs) is not None
 
 
 def version_of(fs: Any, url: str) -> Optional[str]:
     """The version token of the object at ``url`` (S3 and Azure: its ETag; GCS: its generation), or None when there
     is no object."""
-    store = _store_of(fs)
+    store = store_of(fs)
     if store is not None:
         return store.version_of(fs, url)
     info = fresh_info(fs, url)
@@ -80,7 +80,7 @@ def version_of(fs: Any, url: str) -> Optional[str]:
 
 def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
     """Write ``payload`` at ``url`` only if the object there is still at ``version`` (None: only if there is none)."""
-    store = _store_of(fs)
+    store = store_of(fs)
     if store is not None:
         warn_untested(store)
         store.put_if(fs, url, payload, version)

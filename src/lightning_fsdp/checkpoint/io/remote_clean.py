@@ -227,8 +227,20 @@ def remove_token(fs: Any, target: str, token: str) -> list[str]:
     prefix = join(target, "." + token)
     listed = objects_under(fs, prefix)
     _delete(fs, listed.paths, prefix)
-    aborted = _abort(fs, target, _uploads(fs, target).get(token, []))
+    aborted = _abort(fs, target, _uploads(fs, target).get(token, [])) + _discard_unfinished(fs, prefix)
     return ([prefix] if listed.paths else []) + aborted
+
+
+def _discard_unfinished(fs: Any, prefix: str) -> list[str]:
+    """Azure: the uncommitted blocks a killed upload left under the token ``prefix`` being removed (no listing of
+    blobs shows them; S3's incomplete multipart uploads are :func:`_abort`'s). A token with nothing but such blocks
+    is not found by a listing, so it waits for Azure's own expiry of a week."""
+    from lightning_fsdp.checkpoint.io import conditional, conditional_azure
+
+    if conditional.store_of(fs) is not conditional_azure:
+        return []
+    found = conditional_azure.uncommitted_blobs(fs, prefix)
+    return [f"{url} (uncommitted blocks)" for url in conditional_azure.discard_uncommitted(fs, found)]
 
 
 def remove_rest(fs: Any, target: str, token: Optional[str]) -> None:
@@ -261,6 +273,7 @@ def sweep(fs: Any, target: str, committed: Optional[str], grace_s: float, replac
             continue
         _delete(fs, listed.paths, prefix)
         out += ([prefix] if listed.paths else []) + _abort(fs, target, uploads.get(token, []))
+        out += _discard_unfinished(fs, prefix)
     return out
 
 
