@@ -263,3 +263,15 @@ def test_azure_removing_a_token_discards_its_uncommitted_blocks_and_keeps_the_co
     assert f"az://{container}/run/ckpt/.bbbbbbbbbbbb/__0_0.distcp (uncommitted blocks)" in swept, list(swept)
     assert uncommitted_blobs(fs, url) == []
     assert fs.find(url) == [f"{container}/run/ckpt/.aaaaaaaaaaaa/kept.distcp"]
+
+
+def test_removing_a_checkpoint_at_a_containers_root_never_deletes_the_container(azurite):
+    """adlfs's rmdir of a bare container deletes the container with every blob in it: the removal's last step (the
+    emptied checkpoint folder) must never reach a container itself."""
+    from lightning_fsdp.checkpoint.io.remote_clean import remove_rest
+
+    container = azurite.container()
+    fs = azurite.filesystem()
+    fs.pipe_file(f"az://{container}/notes.txt", b"the user's")
+    remove_rest(fs, f"az://{container}", None)
+    assert fs.cat_file(f"az://{container}/notes.txt") == b"the user's"

@@ -73,6 +73,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return _fail(_said(err), getattr(err, "cli_status", 1))
         return _fail(f"{err}. HINT: check that SRC is readable and that DST's directory is writable and has free"
                      " space, then run the command again.", 1)
+    except (ValueError, RuntimeError) as err:
+        if "HINT:" not in str(err):
+            raise  # not an error of ours that says its fix: a bug, with its traceback to report
+        # Ours, said with the fix: a bad setting (LFSDP_STORE_TIMEOUT_S, ...) is bad input; a store that failed in a
+        # way with no OSError of its own (a bucket name the client refuses, a folder where COMMIT should be) is 1.
+        return _fail(str(err), 2 if isinstance(err, ValueError) else 1)
     except KeyboardInterrupt:
         return _fail("interrupted; no output was changed.", 130)
 

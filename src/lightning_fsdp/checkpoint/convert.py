@@ -91,6 +91,8 @@ _TRAINER_MARK = "pytorch-lightning_version"  # the Lightning Trainer writes it i
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?", re.IGNORECASE)
 SOURCE = "source"  # convert's `commit_order=` default: the output records what the source records
 _SHARD = re.compile(r"(model-\d+-of-\d+)\.safetensors")  # how the writer names shards (`writers._SHARD_NAME`)
+# The names an export to a URL gives its shards (the writer's, with a token): the only ones a later export deletes.
+_SHARD_NAME = re.compile(r"model-\d+-of-\d+(?:-[0-9a-f]{8})?\.safetensors")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -320,7 +322,7 @@ def _export_to_url(target: str, write: Callable[[Path], None], fs: Any, *, overw
             fs.put_file(str(local / entry), join(target, entry))  # the switch: one PUT, last
         except BaseException:
             with contextlib.suppress(Exception):  # best effort: the previous export is untouched either way
-                fs.rm([join(target, n) for n in uploads])
+                _remove(fs, [join(target, n) for n in uploads])
             raise
     # The previous export goes: first an entry point of the other layout (it names a whole export, the previous
     # one), then the shards that only the previous index named. Never anything it did not name.
@@ -347,14 +349,15 @@ def _previous_export(fs: Any, target: str) -> set[str]:
         names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
     except (ValueError, KeyError, TypeError):  # unreadable: it goes, and the shards no one can name stay
         return found
-    return found | {n for n in names if isinstance(n, str) and n.endswith(".safetensors") and "/" not in n
-                    and "\\" not in n and not n.startswith(".")}
+    return found | {n for n in names if isinstance(n, str) and _SHARD_NAME.fullmatch(n)}
 
 
 def _remove(fs: Any, urls: list[str]) -> None:
-    if urls:
+    """Delete exactly these objects, one by one: never `fs.rm`, which reads `*`, `?` and `[` in a name as a pattern
+    (a name from a crafted index, or a URL like `exp[1]/hf`, would delete other objects)."""
+    for url in urls:
         with contextlib.suppress(FileNotFoundError):  # already gone: what removing wanted
-            fs.rm(urls)
+            fs.rm_file(url)
 
 
 def _export_models(checkpoint: Checkpoint, model: Optional[str]) -> list[str]:

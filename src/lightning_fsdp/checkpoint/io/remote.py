@@ -38,6 +38,7 @@ import xxhash
 from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, commit_order_value, order_to_record
 from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
+from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
@@ -89,14 +90,14 @@ class FsspecStore:
         """The save its COMMIT names: a new save there is a new token (one GET)."""
         try:
             record = self.read_commit(self.target(path))
-        except CheckpointError as err:  # damaged: what is remembered about it holds until its COMMIT changes
+        except ChecksumError as err:  # damaged: what is remembered about it holds until its COMMIT changes
             return ("damaged", str(err))
         return () if record is None else (record["token"], record.get(COMMIT_ORDER_KEY))
 
     def commit_order(self, path: Any) -> Optional[int]:
         try:
             return commit_order_value(self.read_commit(self.target(path)))
-        except CheckpointError:  # a damaged COMMIT records no order it can be trusted for: it sorts first
+        except ChecksumError:  # a damaged COMMIT records no order it can be trusted for: it sorts first
             return None
 
     def verify(self, path: Any) -> bool:
@@ -392,13 +393,15 @@ class FsspecStore:
     def remove(self, target: Any) -> None:
         """Remove a checkpoint: its COMMIT first (it is then gone for every reader), then the objects of the save it
         named, then stale leftovers of other saves: exact keys, nothing else under it (:mod:`.remote_clean`)."""
-        target = self.target(target)
-        fs = self.fs
-        record = None
-        with contextlib.suppress(CheckpointError, ValueError):  # a damaged COMMIT: its objects go once stale
+        target, fs, record = self.target(target), self.fs, None
+        url = join(target, COMMIT_NAME)
+        version = version_of(fs, url)
+        with contextlib.suppress(ChecksumError):  # damaged: its objects go once stale; a newer release's is raised
             record = self.read_commit(target)
+        if version_of(fs, url) != version:  # another save committed here meanwhile: its checkpoint is not ours
+            raise lost_race(target, self.read_commit(target))
         with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(join(target, COMMIT_NAME))
+            fs.rm_file(url)
         remote_clean.remove_rest(fs, target, None if record is None else record["token"])
 
     def checkpoints_in(self, directory: Any) -> list[tuple[str, str, dict]]:
@@ -419,8 +422,8 @@ class FsspecStore:
             url = join(directory, name)
             try:
                 record = self.read_commit(url)
-            except CheckpointError as err:  # damaged: still a candidate, which `latest` skips and names as damaged
-                record = {"damaged": str(err)}
+            except ChecksumError as err:  # damaged: still a candidate, which `latest` skips and names as damaged
+                record = {"damaged": str(err)}  # (a newer release's COMMIT is raised: this one cannot order it)
             if record is not None:
                 found.append((name, url, record))
         return found

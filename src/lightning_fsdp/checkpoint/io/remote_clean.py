@@ -247,7 +247,9 @@ def remove_rest(fs: Any, target: str, token: Optional[str]) -> None:
     """What follows the removal of a checkpoint's COMMIT: the objects of the save it named (``token``), the stale
     leftovers of others, and on stores with folders the checkpoint's folder, if nothing else is left in it."""
     sweep(fs, target, None, GRACE_S, replaced=token)
-    if not _is_s3(fs):
+    # Never a bucket or container itself (no "/" below it): adlfs's rmdir of a bare container deletes the container
+    # with every blob in it.
+    if not _is_s3(fs) and "/" in fs._strip_protocol(target).strip("/"):
         with contextlib.suppress(OSError):  # not empty: the user's files, or a young save's, stay
             fs.rmdir(fs._strip_protocol(target))
         fs.invalidate_cache()

@@ -189,7 +189,9 @@ def could_not_read(err: BaseException) -> bool:
         if getattr(current, _STORE_ERROR, False):
             return True
         current = current.__cause__
-    return isinstance(err, OSError)
+    # Not any OSError: a local checkpoint with a shard missing (FileNotFoundError) or unreadable is damage, skipped
+    # by `latest` for the one before it, as it always was; only a network's own errors count without the mark.
+    return isinstance(err, (ConnectionError, TimeoutError))
 
 
 def damaged(url: str, why: str) -> Exception:
