@@ -26,14 +26,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch.distributed as dist
-import xxhash
 
 from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW, commit_order_value, order_to_record
 from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
@@ -42,16 +40,14 @@ from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
-from lightning_fsdp.checkpoint.io import remote_clean
+from lightning_fsdp.checkpoint.io import remote_clean, remote_download, remote_upload
 from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
                                                        remove_token, staging_root, token_of_staging)
-from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, damaged, explain, retrying
+from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, retrying
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
-_DIGEST_BELOW = 4 * 2**20  # objects this small get a digest in COMMIT (.metadata, meta.pt, checksums.json)
-_RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
 
 
 class FsspecStore:
@@ -212,20 +208,7 @@ class FsspecStore:
         self.commit(staged, target, comm, group=getattr(comm, "process_group", None), failure=failure)
 
     def _upload(self, staged: Path, target: str, token: str) -> dict[str, list]:
-        if not staged.exists():
-            return {}  # a full save: only rank 0 has the file
-        files = sorted(p for p in staged.rglob("*") if p.is_file()) if staged.is_dir() else [staged]
-        names = [p.relative_to(staged).as_posix() if staged.is_dir() else staged.name for p in files]
-        objects = {}
-        for file, name in zip(files, names):
-            size = file.stat().st_size
-            digest = xxhash.xxh3_64_intdigest(file.read_bytes()) if size < _DIGEST_BELOW else None
-            objects[name] = [size, digest]
-        if files:
-            # One call for all: the filesystem keeps several uploads in flight (s3fs: a batch at a time, each large
-            # file in concurrent multipart chunks).
-            self.fs.put([str(f) for f in files], [join(target, "." + token, n) for n in names])
-        return objects
+        return remote_upload.upload(self.fs, staged, target, token)
 
     def _write_commit(self, target: str, token: str, objects: dict[str, list], kind: str,
                       commit_order: Union[int, None, str] = NEW) -> None:
@@ -327,63 +310,7 @@ class FsspecStore:
             shutil.rmtree(root, ignore_errors=True)
 
     def _download(self, target: str, record: dict[str, Any], local: Path) -> None:
-        """Fetch the objects ``record`` names into ``local``, inside the load's own temporary folder
-        (``local.parent``, new and empty). Every destination is checked before the first byte is fetched."""
-        from lightning_fsdp.checkpoint.formats.commit_record import safe_object_name
-
-        prefix = join(target, "." + record["token"])
-        objects = record["objects"]
-        sharded = record.get("kind") == "sharded"
-        # Defence in depth: parse_record already refused unsafe names on the rank that read COMMIT. Here every rank
-        # checks again what it writes: the name, then where it resolves (a `..` or a symbolic link on the way would
-        # lead out of the folder), and no symbolic link is followed or written through.
-        root = local.parent.resolve()
-
-        def place_of(name: str) -> Path:
-            place = local / name if sharded else local
-            resolved = Path(os.path.realpath(place))
-            if safe_object_name(name) is not None or "/" in local.name or root not in resolved.parents:
-                raise damaged(join(prefix, name), f"its commit puts it at {str(place)!r}, outside the load's folder"
-                              f" {str(root)!r}")
-            return place
-
-        places = {name: place_of(name) for name in objects}
-        # A retried download (a transient failure) starts again from an empty folder: what the attempt before wrote
-        # is ours, and is removed without following a link.
-        if os.path.islink(local) or local.is_file():
-            local.unlink()
-        elif local.is_dir():
-            shutil.rmtree(local)
-        if sharded:
-            local.mkdir(parents=True, exist_ok=True)
-        for name, place in places.items():
-            place.parent.mkdir(parents=True, exist_ok=True)
-            links = [p for p in (place, *place.parents) if p != root and root in p.parents and p.is_symlink()]
-            if links or os.path.lexists(place):
-                raise damaged(join(prefix, name), f"its place {str(place)!r} in the load's new folder is already"
-                              " taken (a symbolic link or another object), so nothing is written through it")
-        small = [n for n, (size, _) in objects.items() if size <= _RANGE]
-        if small:
-            self.fs.get([join(prefix, n) for n in small], [str(places[n]) for n in small])
-        for name in [n for n in objects if n not in small]:
-            size = objects[name][0]
-            starts = list(range(0, size, _RANGE))
-            url = join(prefix, name)
-            pieces = self.fs.cat_ranges([url] * len(starts), starts, [min(s + _RANGE, size) for s in starts])
-            # O_EXCL and O_NOFOLLOW: a file or a link that appeared there since the check is not written through.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-            with open(os.open(places[name], flags, 0o600), "wb") as out:
-                for piece in pieces:
-                    if isinstance(piece, Exception):
-                        raise piece
-                    out.write(piece)
-        for name, (size, digest) in objects.items():
-            place = places[name]
-            actual = place.stat().st_size if place.is_file() else -1
-            if actual != size:
-                raise damaged(join(prefix, name), f"it has {actual} bytes, its commit records {size}")
-            if digest is not None and xxhash.xxh3_64_intdigest(place.read_bytes()) != digest:
-                raise damaged(join(prefix, name), "its bytes do not match the digest its commit records")
+        remote_download.download(self.fs, target, record, local)
 
     # --- listing and removing -------------------------------------------------------------------------------
 

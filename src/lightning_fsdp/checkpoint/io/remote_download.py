@@ -1,0 +1,79 @@
+"""The download side of a load from object storage: the objects a COMMIT names, fetched into a load's own folder,
+each destination checked before the first byte is fetched, each size (and small object's digest) checked after."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from lightning_fsdp.checkpoint.io.remote_errors import damaged
+from lightning_fsdp.checkpoint.io.urls import join
+
+__all__ = ["download", "RANGE"]
+
+RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
+_RANGE = RANGE
+
+
+def download(fs: Any, target: str, record: dict[str, Any], local: Path) -> None:
+    """Fetch the objects ``record`` names into ``local``, inside the load's own temporary folder
+    (``local.parent``, new and empty). Every destination is checked before the first byte is fetched."""
+    from lightning_fsdp.checkpoint.formats.commit_record import safe_object_name
+
+    prefix = join(target, "." + record["token"])
+    objects = record["objects"]
+    sharded = record.get("kind") == "sharded"
+    # Defence in depth: parse_record already refused unsafe names on the rank that read COMMIT. Here every rank
+    # checks again what it writes: the name, then where it resolves (a `..` or a symbolic link on the way would
+    # lead out of the folder), and no symbolic link is followed or written through.
+    root = local.parent.resolve()
+
+    def place_of(name: str) -> Path:
+        place = local / name if sharded else local
+        resolved = Path(os.path.realpath(place))
+        if safe_object_name(name) is not None or "/" in local.name or root not in resolved.parents:
+            raise damaged(join(prefix, name), f"its commit puts it at {str(place)!r}, outside the load's folder"
+                          f" {str(root)!r}")
+        return place
+
+    places = {name: place_of(name) for name in objects}
+    # A retried download (a transient failure) starts again from an empty folder: what the attempt before wrote
+    # is ours, and is removed without following a link.
+    if os.path.islink(local) or local.is_file():
+        local.unlink()
+    elif local.is_dir():
+        shutil.rmtree(local)
+    if sharded:
+        local.mkdir(parents=True, exist_ok=True)
+    for name, place in places.items():
+        place.parent.mkdir(parents=True, exist_ok=True)
+        links = [p for p in (place, *place.parents) if p != root and root in p.parents and p.is_symlink()]
+        if links or os.path.lexists(place):
+            raise damaged(join(prefix, name), f"its place {str(place)!r} in the load's new folder is already"
+                          " taken (a symbolic link or another object), so nothing is written through it")
+    small = [n for n, (size, _) in objects.items() if size <= _RANGE]
+    if small:
+        fs.get([join(prefix, n) for n in small], [str(places[n]) for n in small])
+    for name in [n for n in objects if n not in small]:
+        size = objects[name][0]
+        starts = list(range(0, size, _RANGE))
+        url = join(prefix, name)
+        pieces = fs.cat_ranges([url] * len(starts), starts, [min(s + _RANGE, size) for s in starts])
+        # O_EXCL and O_NOFOLLOW: a file or a link that appeared there since the check is not written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with open(os.open(places[name], flags, 0o600), "wb") as out:
+            for piece in pieces:
+                if isinstance(piece, Exception):
+                    raise piece
+                out.write(piece)
+    for name, (size, digest) in objects.items():
+        place = places[name]
+        actual = place.stat().st_size if place.is_file() else -1
+        if actual != size:
+            raise damaged(join(prefix, name), f"it has {actual} bytes, its commit records {size}")
+        if digest is not None and xxhash.xxh3_64_intdigest(place.read_bytes()) != digest:
+            raise damaged(join(prefix, name), "its bytes do not match the digest its commit records")
