@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from lightning_fsdp.checkpoint.io.urls import join
 
@@ -34,6 +34,9 @@ class RemoteObjects:
     - ``kind``: ``"sharded"`` or ``"full"``, as COMMIT records it.
     - ``objects``: ``{name: (size, digest or None)}``, as COMMIT records them (digests only for small objects).
     - ``local``: the skeleton folder (a sharded checkpoint) or file path (a full one) on this host.
+    - ``retry``: ``retry(step)`` runs one request's ``step`` with the store's retries within its one bound, and says
+      an object gone meanwhile for what it is (the checkpoint changed while read); None: plain
+      :func:`.remote_errors.retrying`.
     """
 
     fs: Any
@@ -42,6 +45,7 @@ class RemoteObjects:
     kind: str
     objects: dict[str, tuple[int, Optional[int]]]
     local: Path = field(default_factory=Path)
+    retry: Optional[Callable[[Callable[[], Any]], Any]] = None
 
     def url(self, name: str) -> str:
         """The URL of the object ``name`` (one COMMIT names); ``KeyError`` for any other."""
