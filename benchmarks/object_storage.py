@@ -1,20 +1,28 @@
-"""Checkpoints on object storage (issue 38), side by side in one invocation against a local S3 server (moto's, in
-this process, on 127.0.0.1), on 2 CPU ranks and a small GPT with AdamW.
+"""Checkpoints on object storage (issues 38 and 43), side by side in one invocation against a local S3 server (moto's,
+in this process, on 127.0.0.1, behind a counting middleware), on 2 CPU ranks and a small GPT with AdamW.
 
-- **object storage: sharded save throughput vs plain s3fs put**: ``fabric.save("s3://...", state)`` (stage, upload
-  every rank's objects, then the COMMIT object) against each rank putting the same number of bytes with one plain
-  ``s3fs`` ``put_file``. Per round, plain seconds / save seconds (1.0: the save moves bytes as fast as s3fs does).
-- **object storage: sharded load throughput vs plain s3fs get**: ``fabric.load("s3://...", state)`` (read COMMIT,
-  fetch and check the objects it names, load) against each rank getting the same objects with one plain
-  ``s3fs`` ``get``. Per round, plain seconds / load seconds.
-- **object storage: async save stall vs a synchronous save**: how long ``fabric.save`` with ``async_save=True``
-  blocks the caller, against a synchronous save of the same state to the same bucket (each started with no save in
-  flight).
+Sides, each timed as the max over ranks after a barrier, their order rotated per round (round r starts at side
+r mod n, so drift in the machine's load hits every side alike):
 
-The server and the loopback are shared by both sides (moto keeps objects in the parent's memory), so the ratios say
-what our protocol costs on top of moving the bytes, not what S3 itself would give. The checkpoint (model + AdamW,
-about 170 MB at the defaults) is large enough that moving bytes, not the requests' round trips, dominates. Run (the parent starts the server and
-the 2 ranks; take the CPU lock around it on a shared machine):
+- ``save``: ``fabric.save("s3://...", state)``; ``plain put``: each rank ``s3fs.pipe_file`` of as many random bytes
+  as its own shard, from memory; ``dcp save``: ``dcp.save`` through torch's ``FsspecWriter(sync_files=False)`` (what
+  torchtitan uses) of the same model and optimizer.
+- ``load``: ``fabric.load("s3://...", state)``; ``plain get``: each rank ``s3fs.cat_file`` of its own shard object
+  into memory; ``dcp load``: ``dcp.load`` through ``FsspecReader``.
+- ``plain put 2`` and ``plain get 2``: the plain sides again, so the harness's own noise is a row too.
+- ``async save call``: how long ``fabric.save`` with ``async_save=True`` blocks the caller.
+
+Each rank uses its own access key (``w<world>r<rank>``); the middleware counts, per key, the request and response
+body bytes and the requests, so a rank's bytes are read at the server, whatever client moved them. During every side
+a 5 ms sampler records the rank's resident memory (``/proc/self/statm``, above its value at the start, after
+``malloc_trim``) and the size of its ``TMPDIR`` (a fresh folder per rank): the local disk a save or load writes.
+After the rounds, a one-file (``state_dict_type="full"``) save and load count what rank 1 downloads, and a second
+launch at world 4 with a smaller model counts the bytes per rank of a sharded load there.
+
+What limits it: moto spends Python time per byte (werkzeug, an MD5 per object for the ETag, copies) on the same 2
+cores as the ranks, so every side is bound by the server and the throughput ratios show serial phases and extra
+bytes, not client speed (``benchmarks/profile_s3.py`` measures clients against a fast stub). Run (the parent
+starts the server and the ranks; take the CPU lock around it on a shared machine):
 
     flock /tmp/cpu.lock .venv/bin/python benchmarks/object_storage.py [--rounds 3] [--json out.json]
 """
@@ -22,31 +30,116 @@ the 2 ranks; take the CPU lock around it on a shared machine):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rows import alternate, emit, figure, ratios  # noqa: E402
+from rows import emit, figure  # noqa: E402
 
 BUCKET = "bench"
+LEDGER_PATH = "/__ledger__"
+MIB = 2**20
 
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=320)
+    parser.add_argument("--world4-layers", type=int, default=2, help="the model of the world-4 launch (bytes only)")
+    parser.add_argument("--world4-dim", type=int, default=192)
+    parser.add_argument("--worker", choices=("main", "scale"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp-root", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+# ------------------------------------------------------------------------------------------- the counting server
+
+
+class Ledger:
+    """WSGI middleware around moto's app: per access key (from the SigV4 ``Credential=``), the request body bytes
+    received (``in``), the response body bytes sent (``out``) and the requests, by method. ``GET /__ledger__``
+    answers the counts as JSON and is not counted."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def _add(self, key: str, field: str, n: int) -> None:
+        with self.lock:
+            row = self.counts.setdefault(key, {"in": 0, "out": 0, "requests": 0})
+            row[field] = row.get(field, 0) + n
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        if environ.get("PATH_INFO") == LEDGER_PATH:
+            with self.lock:
+                body = json.dumps(self.counts).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        key = auth.split("Credential=", 1)[1].split("/", 1)[0] if "Credential=" in auth else "anonymous"
+        self._add(key, "requests", 1)
+        self._add(key, environ.get("REQUEST_METHOD", "?"), 1)
+        environ["wsgi.input"] = _CountingInput(environ["wsgi.input"], lambda n: self._add(key, "in", n))
+        return self._counted(key, self.app(environ, start_response))
+
+    def _counted(self, key: str, body: Any) -> Any:
+        try:
+            for chunk in body:
+                self._add(key, "out", len(chunk))
+                yield chunk
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+
+
+class _CountingInput:
+    def __init__(self, raw: Any, note: Callable[[int], None]) -> None:
+        self.raw, self.note = raw, note
+
+    def read(self, *args: Any) -> bytes:
+        data = self.raw.read(*args)
+        self.note(len(data))
+        return data
+
+    def readline(self, *args: Any) -> bytes:
+        data = self.raw.readline(*args)
+        self.note(len(data))
+        return data
+
+    def __iter__(self):
+        for line in self.raw:
+            self.note(len(line))
+            yield line
+
+
+def serve() -> tuple[Any, str]:
+    """moto's S3 app behind :class:`Ledger` on a threaded werkzeug server (what ``ThreadedMotoServer`` runs)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class Quiet(MotoRequestHandler):
+        def log_request(self, *args: Any, **kwargs: Any) -> None:  # a line per request would flood the output
+            pass
+
+    server = make_server("127.0.0.1", 0, Ledger(DomainDispatcherApplication(create_backend_app)), threaded=True,
+                         request_handler=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    return server, f"http://{host}:{port}"
 
 
 def main() -> None:
@@ -54,56 +147,120 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-           "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    server, endpoint = serve()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "BENCH_LEDGER_URL": endpoint + LEDGER_PATH}
     try:
         import boto3
 
-        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="bench",
-                     aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        with tempfile.TemporaryDirectory() as scratch:
-            out = Path(scratch) / "rows.json"
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                       "--worker", "--out", str(out), "--rounds", str(args.rounds), "--layers", str(args.layers),
-                       "--dim", str(args.dim)]
-            subprocess.run(command, check=True, env=env)
-            emit(json.loads(out.read_text()), args.json)
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        rows: list[dict] = []
+        with tempfile.TemporaryDirectory(prefix="object_storage_bench_") as scratch:
+            for mode, world, layers, dim in (("main", 2, args.layers, args.dim),
+                                             ("scale", 4, args.world4_layers, args.world4_dim)):
+                out = Path(scratch) / f"{mode}.json"
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                           __file__, "--worker", mode, "--out", str(out), "--rounds", str(args.rounds),
+                           "--layers", str(layers), "--dim", str(dim), "--tmp-root", str(Path(scratch) / mode)]
+                subprocess.run(command, check=True, env=env)
+                rows.extend(json.loads(out.read_text()))
+        emit(rows, args.json)
     finally:
-        server.stop()
+        server.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- the ranks' side
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:  # removed while walked
+                pass
+    return total
+
+
+class Sampler:
+    """Peak resident memory above the start and peak size of ``tmp`` while the block runs, sampled every 5 ms."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "Sampler":
+        try:  # freed memory kept in arenas would hide new allocations (TESTING-NOTES, "Measuring memory on CPU")
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.rss0, self.disk0 = _rss(), _tree_bytes(self.tmp)
+        self.rss_peak, self.disk_peak = self.rss0, self.disk0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        self.rss_peak = max(self.rss_peak, _rss())
+        self.disk_peak = max(self.disk_peak, _tree_bytes(self.tmp))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self._sample()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 def _worker(args: argparse.Namespace) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Before any client exists: the rank's own access key (the ledger counts by it) and a fresh TMPDIR whose peak
+    # size is the local disk a save or load writes.
+    key = os.environ["AWS_ACCESS_KEY_ID"] = f"w{world}r{rank}"
+    tmp = Path(args.tmp_root) / key
+    tmp.mkdir(parents=True)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None
+
+    import warnings
+
     import s3fs
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
     from lightning.fabric import Fabric
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from train_gpt import GPT, Block, GPTConfig, make_optimizer  # the example's model
 
     from lightning_fsdp.fabric import FSDPStrategy
 
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # the example model's, once per forward
     torch.set_num_threads(1)
-    fabrics = {kind: Fabric(accelerator="cpu", devices=2,
-                            strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="sharded",
+    kinds = ("sync", "async", "full") if args.worker == "main" else ("sync",)
+    fabrics = {kind: Fabric(accelerator="cpu", devices=world,
+                            strategy=FSDPStrategy(auto_wrap_policy={Block},
+                                                  state_dict_type="full" if kind == "full" else "sharded",
                                                   async_save=kind == "async"))
-               for kind in ("sync", "async")}
+               for kind in kinds}
     for fabric in fabrics.values():
         fabric.launch()
     fabric = fabrics["sync"]
-    rank = fabric.global_rank
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=6, n_embd=args.dim)
+    config = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.dim)
     with fabric.init_module(empty_init=True):
         plain = GPT(config)
     model, optimizer = fabric.setup(plain, make_optimizer(plain, 1e-4))
@@ -115,80 +272,194 @@ def _worker(args: argparse.Namespace) -> None:
     run = fabric.broadcast(f"run-{os.getpid()}")
     url = f"s3://{BUCKET}/{run}/ckpt"
     fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)  # the environment's endpoint
+    ledger_url = os.environ["BENCH_LEDGER_URL"]
 
-    def seconds(action: Callable[[], Any]) -> float:
+    def counted() -> dict[str, int]:
+        with urllib.request.urlopen(ledger_url) as answer:
+            return json.loads(answer.read()).get(key, {})
+
+    def measure(action: Callable[[], Any]) -> dict[str, Any]:
+        """Run ``action`` on every rank after a barrier: its time (max over ranks) and, per rank, the bytes the
+        server received from and sent to this rank, its requests, peak RSS above the start and peak TMPDIR size."""
         fabric.barrier()
-        start = time.perf_counter()
-        action()
-        elapsed = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item()
+        before = counted()
+        with Sampler(tmp) as sampler:
+            start = time.perf_counter()
+            action()
+            elapsed = time.perf_counter() - start
+        after = counted()
+        mine = {"s": elapsed, "rss": sampler.rss_peak - sampler.rss0, "disk": sampler.disk_peak - sampler.disk0,
+                **{f: after.get(f, 0) - before.get(f, 0) for f in ("in", "out", "requests", "GET", "PUT", "HEAD")}}
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, mine)
+        return {"s": max(r["s"] for r in ranks), "ranks": ranks}
 
-    def committed() -> list[str]:
-        """The objects the checkpoint's COMMIT names now (each save writes under a prefix of its own)."""
+    def own_shard(prefix: str) -> int:
+        """The bytes of this rank's shard files under ``prefix`` (DCP names them ``__<rank>_<i>.distcp``)."""
+        fs.invalidate_cache()
+        return sum(fs.size(o) for o in fs.ls(prefix, detail=False) if o.rsplit("/", 1)[-1].startswith(f"__{rank}_"))
+
+    def committed() -> tuple[str, dict[str, Any]]:
         fs.invalidate_cache()
         record = json.loads(fs.cat_file(f"{url}/COMMIT"))
-        return [f"{url}/.{record['token']}/{name}" for name in record["objects"]]
+        return f"{url}/.{record['token']}", record
 
-    # --- the checkpoint's objects and size, then the plain sides' bytes
     fabric.save(url, state)
-    objects = committed()
-    total = sum(fs.size(o) for o in objects)
-    scratch = Path(tempfile.mkdtemp(prefix="object_storage_bench_"))
-    share = scratch / "share.bin"
-    share.write_bytes(os.urandom(total // fabric.world_size))  # this rank's part of a save's bytes
+    prefix, record = committed()
+    shard = own_shard(prefix)
+    shards: list[Any] = [None] * world
+    dist.all_gather_object(shards, shard)
+    checkpoint_bytes = sum(fs.size(f"{prefix}/{name}") for name in record["objects"])
+    if args.worker == "scale":
+        load = measure(lambda: fabric.load(url, state))
+        ratios = [r["out"] / s for r, s in zip(load["ranks"], shards)]
+        rows = [figure(f"object storage: bytes a rank downloads on a sharded load / its own shard, world {world}",
+                       [max(ratios)], baseline="the rank's own shard file", target=("<=", 1.1),
+                       detail={"per_rank": ratios, "shard_MB": [s / 1e6 for s in shards],
+                               "checkpoint_MB": checkpoint_bytes / 1e6, "requests": [r["requests"] for r in
+                                                                                     load["ranks"]]})]
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(rows))
+        fabric.barrier()
+        return
 
-    def plain_put() -> None:
-        fs.put_file(str(share), f"{BUCKET}/{run}/plain/rank{rank}.bin")
+    payload = os.urandom(shard)  # the plain sides move as many bytes as the rank's shard, from and into memory
+    plain_key = f"{BUCKET}/{run}/plain/rank{rank}.bin"
+    dcp_url = f"s3://{BUCKET}/{run}/dcp"
 
-    def plain_get() -> float:  # what a load fetches on each rank: every object the commit names
-        now = committed()
-        return seconds(lambda: fs.get(now, [str(scratch / "got" / f"{i}") for i in range(len(now))]))
+    def dcp_save() -> None:
+        model_sd, optim_sd = get_state_dict(plain, optimizer.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=FsspecWriter(dcp_url, sync_files=False, overwrite=True))
 
-    (scratch / "got").mkdir()
+    def dcp_load() -> None:
+        model_sd, optim_sd = get_state_dict(plain, optimizer.optimizer)
+        loaded = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(loaded, storage_reader=FsspecReader(dcp_url))
+        set_state_dict(plain, optimizer.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"])
+
     background = fabrics["async"].strategy._background_saves
 
     def finish_async() -> None:
         background.wait(fabrics["async"].strategy._engine)
 
-    stall: dict[str, list[float]] = {"sync": [], "async": []}
-
-    def save_call(kind: str) -> float:
+    def async_call() -> dict[str, Any]:
         finish_async()
-        elapsed = seconds(lambda: fabrics[kind].save(f"{url}-{kind}", state))
-        stall[kind].append(elapsed)
+        out = measure(lambda: fabrics["async"].save(f"{url}-async", state))
         finish_async()
-        return elapsed
+        return out
 
+    fs.pipe_file(plain_key, payload)
+    dcp_save()
+    dcp_shard = own_shard(dcp_url.removeprefix("s3://"))
     fabrics["async"].save(f"{url}-async", state)  # warm-up: the first async save creates its process group
     finish_async()
-    sides = {
-        "save": lambda: seconds(lambda: fabric.save(url, state)),
-        "plain put": lambda: seconds(plain_put),
-        "load": lambda: seconds(lambda: fabric.load(url, state)),
-        "plain get": plain_get,
-        "sync save": lambda: save_call("sync"),
-        "async save call": lambda: save_call("async"),
+
+    def plain_get_side() -> dict[str, Any]:
+        own = f"{committed()[0]}/__{rank}_0.distcp"  # found before the clock starts
+        return measure(lambda: fs.cat_file(own))
+
+    sides: dict[str, Callable[[], dict[str, Any]]] = {
+        "save": lambda: measure(lambda: fabric.save(url, state)),
+        "plain put": lambda: measure(lambda: fs.pipe_file(plain_key, payload)),
+        "dcp save": lambda: measure(dcp_save),
+        "load": lambda: measure(lambda: fabric.load(url, state)),
+        "plain get": plain_get_side,
+        "dcp load": lambda: measure(dcp_load),
+        "plain put 2": lambda: measure(lambda: fs.pipe_file(plain_key, payload)),
+        "plain get 2": plain_get_side,
+        "async save call": async_call,
     }
-    times = alternate(args.rounds, sides)
-    med = statistics.median
-    mb = total / 1e6
-    rows = [
-        figure("object storage: sharded save throughput vs plain s3fs put", ratios(times["plain put"], times["save"]),
-               baseline="s3fs put_file of the same bytes from each rank, same server", target=None,
-               detail={"checkpoint_MB": mb, "objects": len(objects), "save_s": med(times["save"]),
-                       "plain_put_s": med(times["plain put"])}),
-        figure("object storage: sharded load throughput vs plain s3fs get", ratios(times["plain get"], times["load"]),
-               baseline="s3fs get of the same objects on each rank, same server", target=None,
-               detail={"checkpoint_MB": mb, "load_s": med(times["load"]), "plain_get_s": med(times["plain get"])}),
-        figure("object storage: async save stall vs a synchronous save",
-               ratios(times["async save call"], times["sync save"]),
-               baseline="synchronous sharded save to the same bucket", target=("<=", 0.1),
-               detail={"async_call_s": med(times["async save call"]), "sync_save_s": med(times["sync save"])}),
-    ]
+    runs = rotated(args.rounds, sides)
+
+    # The one-file checkpoint: saved once, loaded once; what rank 1 downloads against the file.
+    full_url = f"{url}-full"
+    fabrics["full"].save(full_url, state)
+    fs.invalidate_cache()
+    full_record = json.loads(fs.cat_file(f"{full_url}/COMMIT"))
+    full_bytes = sum(size for size, _ in full_record["objects"].values())
+    full_load = measure(lambda: fabrics["full"].load(full_url, state))
     if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+        Path(args.out).write_text(json.dumps(_rows(runs, shards, dcp_shard, checkpoint_bytes, full_load, full_bytes,
+                                                   len(record["objects"]), world)))
     fabric.barrier()
+
+
+def rotated(rounds: int, sides: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
+    """Each side once per round; round r runs the sides starting at side r mod n (a rotation, not a reversal: with
+    more than two sides a reversal keeps the middle ones in the middle)."""
+    names = list(sides)
+    out: dict[str, list[Any]] = {name: [] for name in names}
+    for r in range(rounds):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            out[name].append(sides[name]())
+    return out
+
+
+def _rows(runs: dict[str, list[dict]], shards: list[int], dcp_shard: int, checkpoint_bytes: int,
+          full_load: dict[str, Any], full_bytes: int, objects: int, world: int) -> list[dict]:
+    med = statistics.median
+    secs = {side: [r["s"] for r in results] for side, results in runs.items()}
+
+    def per_round(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(secs[a], secs[b])]
+
+    def worst(side: str, field: str, per: list[int]) -> list[float]:
+        """Per round, the largest ratio over ranks of ``field`` to the rank's ``per`` bytes."""
+        return [max(r[field] / p for r, p in zip(rnd["ranks"], per)) for rnd in runs[side]]
+
+    shard_mb = [s / 1e6 for s in shards]
+    rss_bound = [(64 * MIB + 0.1 * s) / s for s in shards]
+    common = {"checkpoint_MB": checkpoint_bytes / 1e6, "shard_MB": shard_mb, "objects": objects}
+    seconds = {side: med(v) for side, v in secs.items()}
+    rows = [
+        figure(f"object storage: bytes a rank downloads on a sharded load / its own shard, world {world}",
+               worst("load", "out", shards), baseline="the rank's own shard file", target=("<=", 1.1),
+               detail={**common, "dcp_fsspec": med(worst("dcp load", "out", [dcp_shard] * world)),
+                       "requests_per_rank": [r["requests"] for r in runs["load"][-1]["ranks"]]}),
+        figure("object storage: bytes rank 1 downloads on a full (one-file) load / the file",
+               [full_load["ranks"][1]["out"] / full_bytes], baseline="the committed file's bytes", target=("<=", 0.6),
+               detail={"file_MB": full_bytes / 1e6, "rank0": full_load["ranks"][0]["out"] / full_bytes,
+                       "load_s": full_load["s"]}),
+        figure("object storage: local disk written per rank during a sharded save / its shard",
+               worst("save", "disk", shards), baseline="peak size of the rank's TMPDIR", target=("<=", 0.1),
+               detail={**common, "dcp_fsspec": med(worst("dcp save", "disk", [dcp_shard] * world))}),
+        figure("object storage: local disk written per rank during a sharded load / its shard",
+               worst("load", "disk", shards), baseline="peak size of the rank's TMPDIR", target=("<=", 0.1),
+               detail={**common, "dcp_fsspec": med(worst("dcp load", "disk", [dcp_shard] * world))}),
+        figure("object storage: sharded save throughput vs plain s3fs put", per_round("plain put", "save"),
+               baseline="s3fs pipe_file of the shard's bytes from memory on each rank, same server",
+               target=(">=", 0.9), detail={**common, "seconds": seconds,
+                                           "dcp_fsspec": med(per_round("plain put", "dcp save"))}),
+        figure("object storage: sharded load throughput vs plain s3fs get", per_round("plain get", "load"),
+               baseline="s3fs cat_file of the rank's own shard object into memory, same server", target=(">=", 0.9),
+               detail={**common, "seconds": seconds, "dcp_fsspec": med(per_round("plain get", "dcp load"))}),
+        figure("object storage: sharded save speed vs DCP over fsspec", per_round("dcp save", "save"),
+               baseline="dcp.save with FsspecWriter(sync_files=False), same state, same server (DCP s / ours s)",
+               target=(">=", 1.0), detail={"save_s": seconds["save"], "dcp_save_s": seconds["dcp save"]}),
+        figure("object storage: sharded load speed vs DCP over fsspec", per_round("dcp load", "load"),
+               baseline="dcp.load with FsspecReader, same state, same server (DCP s / ours s)", target=(">=", 1.0),
+               detail={"load_s": seconds["load"], "dcp_load_s": seconds["dcp load"]}),
+        figure("object storage: peak RSS above start of a sync sharded save / the shard", worst("save", "rss", shards),
+               baseline="5 ms /proc/self/statm sampler, max over ranks", target=("<=", round(max(rss_bound), 3)),
+               detail={**common, "MiB": [max(r["rss"] for r in rnd["ranks"]) / MIB for rnd in runs["save"]],
+                       "bound": "64 MiB + 0.1x the shard",
+                       "dcp_fsspec": med(worst("dcp save", "rss", [dcp_shard] * world))}),
+        figure("object storage: peak RSS above start of a sharded load / the shard", worst("load", "rss", shards),
+               baseline="5 ms /proc/self/statm sampler, max over ranks", target=("<=", round(max(rss_bound), 3)),
+               detail={**common, "MiB": [max(r["rss"] for r in rnd["ranks"]) / MIB for rnd in runs["load"]],
+                       "bound": "64 MiB + 0.1x the shard",
+                       "dcp_fsspec": med(worst("dcp load", "rss", [dcp_shard] * world))}),
+        figure("object storage: plain s3fs put vs itself (the harness's noise)", per_round("plain put 2", "plain put"),
+               baseline="the same plain put, measured twice per round", target=None),
+        figure("object storage: plain s3fs get vs itself (the harness's noise)", per_round("plain get 2", "plain get"),
+               baseline="the same plain get, measured twice per round", target=None),
+        figure("object storage: async save stall vs a synchronous save", per_round("async save call", "save"),
+               baseline="synchronous sharded save to the same bucket", target=("<=", 0.1),
+               detail={"async_call_s": seconds["async save call"], "sync_save_s": seconds["save"]}),
+    ]
+    return rows
 
 
 if __name__ == "__main__":
