@@ -1,0 +1,149 @@
+"""The requests of one streamed upload (issue 43): S3 multipart through s3fs's own client, or any other fsspec store
+through its file object. :mod:`.sink` decides what to send and when; this module only sends.
+
+- **S3** (:class:`S3Upload`): ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload`` with
+  ``If-None-Match: *`` (a token collision fails instead of replacing an object), ``abort_multipart_upload``; an
+  object under one part is one ``put_object`` with the same condition. The requests are coroutines run on s3fs's
+  own event loop (the one its client lives on), so several parts are in flight while the writer fills the next.
+- **Retries do not stack**: s3fs and botocore are at one attempt (:func:`.remote_errors.client_options`), and ours
+  retry one *request*, never the whole object: a part that fails is sent again alone, from the buffer the sink keeps
+  until it succeeds. Every request of one upload shares one budget of ``LFSDP_STORE_TIMEOUT_S``, spent as
+  :func:`.remote_errors.retrying` spends it (a request that got no answer spends its wait, each backoff its sleep),
+  so the whole upload fails within the bound when the store stops answering. The budget is passed in, not read from
+  the context: the requests run on the loop's thread, where the caller's context variables are not visible.
+- **Other stores** (:class:`FileUpload`): ``fs.open(url, "wb", block_size=part_size)``, written in order, one part
+  at a time (gcsfs and adlfs upload their blocks as the buffer fills). Still nothing on local disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+from lightning_fsdp.checkpoint.io import remote_errors
+from lightning_fsdp.checkpoint.io.remote_errors import explain, lost_write, transient
+
+__all__ = ["Budget", "S3Upload", "FileUpload", "is_s3"]
+
+
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs (its async client calls are what :class:`S3Upload` sends)."""
+    return getattr(fs, "_call_s3", None) is not None and getattr(fs, "loop", None) is not None
+
+
+class Budget:
+    """One upload's share of the bound: every failed request of it spends what it waited, every backoff its sleep.
+    Touched only on the event loop's thread (one coroutine at a time), so it needs no lock."""
+
+    def __init__(self) -> None:
+        self.bound = remote_errors.store_timeout_s()
+        self.per_request = remote_errors.request_timeout_s(self.bound)
+        self.spent = 0.0
+        self.first_failure: Optional[float] = None
+
+
+def _codes(err: BaseException) -> set[str]:
+    from lightning_fsdp.checkpoint.io.conditional import _codes as codes
+
+    return codes(err)
+
+
+class S3Upload:
+    """The requests of one object's upload to S3, each retried alone within the upload's :class:`Budget`."""
+
+    def __init__(self, fs: Any, url: str, budget: Optional[Budget] = None) -> None:
+        self.fs, self.url = fs, url
+        self.bucket, self.key, _ = fs.split_path(url)
+        self.budget = budget or Budget()
+        self.upload_id: Optional[str] = None
+        self.requests = 0  # sent, retries included (what a test counts)
+
+    @property
+    def loop(self) -> Any:
+        return self.fs.loop
+
+    async def _request(self, method: str, **kwargs: Any) -> Any:
+        """One request, again after a transient failure (with backoff) while the budget allows, then the error that
+        names the URL, what was being done, the attempts and the bound."""
+        budget, attempt, first = self.budget, 0, time.monotonic()
+        while True:
+            attempt += 1
+            started = time.monotonic()
+            self.requests += 1
+            try:
+                return await self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+            except Exception as err:  # noqa: BLE001 - transient ones are retried, the rest said with the URL
+                if _codes(err) & {"PreconditionFailed", "412"}:
+                    raise lost_write(self.url) from err  # If-None-Match on a key that exists: not ours to replace
+                now = time.monotonic()
+                unanswered = min(now - started, budget.per_request)
+                budget.spent += unanswered
+                if budget.first_failure is None:
+                    budget.first_failure = now - unanswered
+                left = min(budget.bound - budget.spent, budget.bound - (now - budget.first_failure)) \
+                    - budget.per_request
+                if transient(err) and left >= 0 and (remote_errors.ATTEMPTS is None
+                                                     or attempt < remote_errors.ATTEMPTS):
+                    wait = min(remote_errors.BACKOFF_S * 2 ** (attempt - 1), remote_errors.MAX_BACKOFF_S, left)
+                    budget.spent += wait
+                    await asyncio.sleep(wait)
+                    continue
+                raise explain(err, self.url, "uploading to", attempts=attempt, seconds=time.monotonic() - first,
+                              bound=budget.bound) from err
+
+    async def put_whole(self, data: Any) -> None:
+        """The whole object in one PUT, only if no object is at its key."""
+        await self._request("put_object", Body=data, IfNoneMatch="*")  # bytes or bytearray: sent as is
+
+    async def create(self) -> None:
+        answer = await self._request("create_multipart_upload")
+        self.upload_id = answer["UploadId"]
+
+    async def put_part(self, number: int, data: Any) -> dict[str, Any]:
+        """Part ``number`` (from 1); ``data`` is kept by the caller until this returns, so a retry resends it."""
+        answer = await self._request("upload_part", UploadId=self.upload_id, PartNumber=number, Body=data)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    async def complete(self, parts: list[dict[str, Any]]) -> None:
+        await self._request("complete_multipart_upload", UploadId=self.upload_id,
+                            MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
+                            IfNoneMatch="*")
+
+    async def abort(self) -> None:
+        if self.upload_id is not None:
+            await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                   UploadId=self.upload_id)
+
+
+class FileUpload:
+    """Any other fsspec store: its own write-mode file, which uploads a block each time ``part_size`` bytes are
+    buffered, and publishes the object only at ``close``. Sequential; an error discards what it began."""
+
+    def __init__(self, fs: Any, url: str, part_size: int) -> None:
+        self.fs, self.url = fs, url
+        self.file = fs.open(url, "wb", block_size=part_size)
+
+    def write(self, data: Any) -> None:
+        try:
+            self.file.write(data)
+        except Exception as err:  # noqa: BLE001
+            raise explain(err, self.url, "uploading to") from err
+
+    def finish(self) -> None:
+        try:
+            self.file.close()
+        except Exception as err:  # noqa: BLE001
+            raise explain(err, self.url, "uploading to") from err
+        self.fs.invalidate_cache(self.url)
+
+    def abort(self) -> None:
+        discard = getattr(self.file, "discard", None)
+        if callable(discard):  # fsspec's buffered files: drops the buffer and aborts what the store began
+            discard()
+        # Never `close`: closing publishes the object. Some files (``memory://``) publish it at open, and their
+        # `discard` does nothing: remove that key (a fresh one, under this save's own token prefix).
+        try:
+            self.fs.rm_file(self.url)
+        except FileNotFoundError:
+            pass
