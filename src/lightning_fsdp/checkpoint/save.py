@@ -7,6 +7,7 @@ commit object written last for a URL, :mod:`~lightning_fsdp.checkpoint.io.remote
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from concurrent.futures import Future
@@ -24,7 +25,8 @@ from lightning_fsdp.checkpoint.formats.layout import METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.integrity.digests import new_save_id
 from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
-from lightning_fsdp.checkpoint.io import in_flight
+from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
+from lightning_fsdp.checkpoint.io import in_flight, remote_clean, remote_upload
 from lightning_fsdp.checkpoint.io.full_writer import save_file, write_full_checkpoint
 from lightning_fsdp.checkpoint.io.staging import ReusedStaging
 from lightning_fsdp.checkpoint.io.store import Target, store_for
@@ -107,12 +109,13 @@ def _write_sharded(
         background.wait(comm)  # the previous background save first: its error is raised before anything is staged
         target, staged, save_id = _prepare(store, path, comm, "Preparing the background save of", storage_options,
                                            stage_metadata)
-        background.start(tensors, staged, target, comm, writer=ChecksumWriter(staged, save_id=save_id), store=store)
+        background.start(tensors, staged, target, comm, writer=_sharded_writer(store, staged, target, save_id),
+                         store=store)
         return target
 
     target, staged, save_id = _prepare(store, path, comm, "Creating the staging directory for", storage_options,
                                        stage_metadata)
-    writer = ChecksumWriter(staged, save_id=save_id)
+    writer = _sharded_writer(store, staged, target, save_id)
 
     def write() -> None:
         dcp.save(tensors, checkpoint_id=staged, storage_writer=writer, planner=_CachedPlans())
@@ -121,6 +124,24 @@ def _write_sharded(
 
     _write_then_commit(store, write, staged, target, comm)
     return target
+
+
+def _sharded_writer(store: Any, staged: Path, target: Target, save_id: str) -> ChecksumWriter:
+    """DCP's writer for a sharded save: to a local staging folder, renamed into place (``LocalStore``); or, to object
+    storage, each rank's shard file streamed from memory into its object under the save's token prefix
+    (:class:`StreamingWriter`), with only rank 0's small files (``meta.pt``, ``.metadata``, ``checksums.json``)
+    staged locally and uploaded by the commit, which names the streamed objects by the sizes written."""
+    if not getattr(store, "remote", False):
+        return ChecksumWriter(staged, save_id=save_id)
+    fs = store.fs
+
+    def open_object(name: str, size_hint: Optional[int] = None) -> Any:
+        return remote_upload.open_streamed(fs, staged, str(target), name, size_hint=size_hint)
+
+    def on_written(name: str, size: int, digest: Optional[int]) -> None:
+        remote_upload.note_streamed(staged, name, size, digest)
+
+    return StreamingWriter(staged, save_id=save_id, open_object=open_object, on_written=on_written)
 
 
 def write_full(path: Union[str, Path], obj: Any, comm: Communicator,
@@ -209,11 +230,27 @@ def _write_then_commit(
     store: Any, write: Callable[[], None], staged: Path, target: Target, comm: Communicator,
 ) -> None:
     try:
-        together(comm, f"Writing the checkpoint {str(target)!r}", write)
+        try:
+            together(comm, f"Writing the checkpoint {str(target)!r}", write)
+        except BaseException:
+            _remove_streamed(store, staged, target, comm.global_rank)
+            raise
         store.commit(staged, target, comm)  # agreed on every rank: no rank returns as if saved when one failed
     except BaseException:
         store.discard(staged, comm.global_rank)
         raise
+    finally:
+        remote_upload.forget_streamed(staged)
+
+
+def _remove_streamed(store: Any, staged: Path, target: Target, rank: int) -> None:
+    """A failed write to object storage: rank 0 removes the objects the ranks streamed under this save's token (the
+    ranks that finished completed theirs), best effort; what a killed rank left (an incomplete multipart upload)
+    is aborted by ``clean`` and the next save's sweep once stale."""
+    if rank != 0 or not getattr(store, "remote", False):
+        return
+    with contextlib.suppress(Exception):
+        store._remove_uncommitted(str(target), remote_clean.token_of_staging(Path(staged).parent))
 
 
 def _optimizer_state(split: SplitState, key: str) -> dict[str, Any]:
@@ -317,6 +354,7 @@ class AsyncSaves:
             self._removals.failed()
             store.discard(staged, comm.global_rank)
         finally:
+            remote_upload.forget_streamed(staged)
             # `Future.result()` can return before the callbacks have run; `wait` waits for this instead.
             self._committed.set()
 
@@ -338,10 +376,11 @@ class AsyncSaves:
 
         together(comm, f"The background save of {str(target)!r}", finish)
 
-    def remove(self, path: Target) -> None:
+    def remove(self, path: Target, store: Any = None) -> None:
         """Remove the checkpoint at ``path`` (on rank 0, where it is called), once the save in flight, if any, is
-        committed; never if that save fails. A URL is removed through its store (its commit object first)."""
-        store = store_for(path)
+        committed; never if that save fails. A URL is removed through its store (its commit object first): pass the
+        one with the strategy's ``storage_options`` (the default store reads the environment alone)."""
+        store = store_for(path) if store is None else store
         self._removals.defer(lambda: store.remove(path), f"Removing the superseded checkpoint {str(path)!r}")
 
     def after_commit(self, action: Callable[[], Any], what: str) -> None:

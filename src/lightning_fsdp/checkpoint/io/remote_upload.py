@@ -1,29 +1,61 @@
-"""The upload side of a save to object storage: this rank's staged files, put under the save's token prefix.
+"""The upload side of a save to object storage.
 
-What each returns is the rank's part of the COMMIT record: ``{name: [size, digest or None]}`` (digests only for
-objects under :data:`DIGEST_BELOW`, see :mod:`.remote`)."""
+A sharded save streams each rank's shard file from memory into its object (:func:`open_streamed`, the upload sink:
+:mod:`.sink`), and notes its size and digest as it completes (:func:`note_streamed`); what is left in the local
+staging folder (rank 0's small files: ``meta.pt``, ``.metadata``, ``checksums.json``; a full save's file) is put by
+:func:`upload`, which returns the rank's part of the COMMIT record: ``{name: [size, digest or None]}`` for both
+(digests only for objects under :data:`DIGEST_BELOW`, see :mod:`.remote`). The sizes of streamed objects come from
+what was written, not from a listing."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import xxhash
 
+from lightning_fsdp.checkpoint.io.remote_clean import token_of_staging
+from lightning_fsdp.checkpoint.io.sink import UploadSink, open_upload
 from lightning_fsdp.checkpoint.io.urls import join
 
-__all__ = ["upload", "DIGEST_BELOW"]
+__all__ = ["upload", "DIGEST_BELOW", "open_streamed", "note_streamed", "forget_streamed", "streamed"]
 
 DIGEST_BELOW = 4 * 2**20  # objects this small get a digest in COMMIT (.metadata, meta.pt, checksums.json)
 _DIGEST_BELOW = DIGEST_BELOW
 
+# The objects this process streamed for a save, by its staging path (one per save and rank), until its commit.
+_STREAMED: dict[str, dict[str, list]] = {}
+_LOCK = threading.Lock()  # an async save streams in DCP's thread while the next save may begin in another
+
+
+def open_streamed(fs: Any, staged: Path, target: str, name: str, size_hint: Optional[int] = None) -> UploadSink:
+    """The object ``name`` of the save staged at ``staged`` (its token) under ``target``, written from memory."""
+    token = token_of_staging(Path(staged).parent)
+    return open_upload(fs, join(target, "." + token, name), size_hint=size_hint)
+
+
+def note_streamed(staged: Path, name: str, size: int, digest: Optional[int]) -> None:
+    with _LOCK:
+        _STREAMED.setdefault(str(staged), {})[name] = [size, digest if size < _DIGEST_BELOW else None]
+
+
+def forget_streamed(staged: Path) -> dict[str, list]:
+    with _LOCK:
+        return _STREAMED.pop(str(staged), {})
+
+
+def streamed(staged: Path) -> dict[str, list]:
+    with _LOCK:
+        return {name: list(entry) for name, entry in _STREAMED.get(str(staged), {}).items()}
+
 
 def upload(fs: Any, staged: Path, target: str, token: str) -> dict[str, list]:
+    objects = streamed(staged)  # kept until the save ends (`forget_streamed`): a retried upload names them again
     if not staged.exists():
-        return {}  # a full save: only rank 0 has the file
+        return objects  # nothing staged on this rank: its shard was streamed, or a full save (rank 0 writes it)
     files = sorted(p for p in staged.rglob("*") if p.is_file()) if staged.is_dir() else [staged]
     names = [p.relative_to(staged).as_posix() if staged.is_dir() else staged.name for p in files]
-    objects = {}
     for file, name in zip(files, names):
         size = file.stat().st_size
         digest = xxhash.xxh3_64_intdigest(file.read_bytes()) if size < _DIGEST_BELOW else None

@@ -1,0 +1,194 @@
+"""A sharded save whose shard files go straight from memory to where they are kept (issue 43): no local copy.
+
+:class:`StreamingWriter` is DCP's storage writer for sharded saves to object storage. Planning, ``.metadata`` and
+``checksums.json`` are :class:`~.sharded_write.ChecksumWriter`'s (rank 0 writes those two, small, to its local
+staging folder beside ``meta.pt``, and the store uploads them with COMMIT's other objects); what changes is
+``write_data``: each rank's ``__<rank>_0.distcp`` is written, item after item, into an object opened by
+``open_object(name, size_hint=bytes)`` -- a context manager with ``write``/``tell`` whose normal end makes the object and whose error
+leaves none (the upload sink, :func:`lightning_fsdp.checkpoint.io.sink.open_upload`; passed in, as this layer may
+not import ``io``).
+
+The write loop is ours, not DCP's ``_write_files_from_queue``, which keeps every tensor it wrote alive until its
+file is closed (a dict for its safetensors format) and so holds a whole shard's copy at once. Here, per item:
+
+- resolve it, ``detach().cpu()``, and a contiguous clone only when its storage is larger than itself (FSDP2's padded
+  shards), so the payload is exactly the tensor's bytes in row-major order;
+- ``torch.save`` it into a buffer of its own (memory: one item), find where the tensor's raw bytes start in that
+  zip (``data/0``'s local header, from the central directory), hash the item (its digest, seeded with the save id
+  as every item digest is) and the payload's blocks (``"payloads"`` below), write it to the object, drop it.
+
+``checksums.json`` gains ``"payloads"``: ``[file, item_offset, payload_start, block_size, [d0, d1, ...]]`` per tensor
+item, ``d_i`` the seeded digest of payload bytes ``[i*block_size, min((i+1)*block_size, payload_len))``, so a load
+that needs part of an item can fetch and check only the blocks it covers. Items not listed are read whole and
+checked by their item digest; readers that do not know the key ignore it.
+
+The file is DCP's own format, byte for byte what ``FileSystemWriter`` would write for these items (byte items
+first, then tensors, each a ``torch.save``), so plain ``dcp.load`` with a ``FileSystemReader`` loads a downloaded
+copy.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
+from lightning_fsdp.checkpoint.integrity.digests import ALGORITHMS
+from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
+
+__all__ = ["StreamingWriter", "payload_start", "block_size", "block_digests", "PAYLOADS_KEY"]
+
+PAYLOADS_KEY = "payloads"
+_MIN_BLOCK, _MAX_BLOCK, _BLOCKS = 64 * 2**10, 16 * 2**20, 64
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header, 30 bytes
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def block_size(payload_len: int) -> int:
+    """The smallest power of two >= ``payload_len / 64``, within [64 KiB, 16 MiB]: at most 64 blocks per item (so
+    at most 64 digests), and a partial read fetches at most one extra block at each end."""
+    size = _MIN_BLOCK
+    while size < _MAX_BLOCK and size * _BLOCKS < payload_len:
+        size *= 2
+    return size
+
+
+def block_digests(payload: memoryview, size: int, new_hasher: Callable[[], Any]) -> list[int]:
+    out = []
+    for start in range(0, len(payload), size):
+        hasher = new_hasher()
+        hasher.update(payload[start:start + size])
+        out.append(hasher.intdigest())
+    return out
+
+
+def payload_start(item: bytes | bytearray | memoryview, payload_len: int) -> Optional[int]:
+    """Where the tensor's raw bytes start in a ``torch.save`` zip of one tensor (``data/0``'s data), or None when the
+    zip does not say so plainly (another layout, compression, a size that is not the tensor's): that item is then
+    read whole."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(item)) as archive:
+            records = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+            storages = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")]
+    except (zipfile.BadZipFile, ValueError):
+        return None
+    if len(records) != 1 or len(storages) != 1:
+        return None
+    record = records[0]
+    if record.compress_type != zipfile.ZIP_STORED or record.file_size != payload_len:
+        return None
+    header = bytes(item[record.header_offset:record.header_offset + _LOCAL_HEADER.size])
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    fields = _LOCAL_HEADER.unpack(header)
+    if fields[0] != _LOCAL_SIGNATURE:
+        return None
+    start = record.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]  # + name length + extra length
+    return start if start + payload_len <= len(item) else None
+
+
+class StreamingWriter(ChecksumWriter):
+    """See the module. ``path``: rank 0's local staging folder (``.metadata``, ``checksums.json``); ``open_object``:
+    ``name -> context manager`` of the object for the shard file ``name``; ``on_written(name, size, digest)`` is
+    called once each object is complete (the store's record of what COMMIT names)."""
+
+    def __init__(self, path: Any, *, save_id: str, open_object: Callable[..., ContextManager[Any]],
+                 on_written: Optional[Callable[[str, int, Optional[int]], None]] = None, **kwargs: Any) -> None:
+        super().__init__(path, save_id=save_id, sync_files=False, thread_count=1, **kwargs)
+        self._open_object, self._on_written = open_object, on_written
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # DCP's version makes the local folder on every rank and looks for an old `.metadata` in it: here only rank
+        # 0's staging folder (made with `meta.pt` in it) holds anything, and every save has a new token prefix.
+        return plan
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        seed_of, new_hasher = ALGORITHMS[self._algorithm]
+        seed = seed_of(self._save_id)
+        self._recording.start(lambda: new_hasher(seed))  # the local files `finish` writes go through it
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results: list[WriteResult] = []
+        # DCP's order: byte items, then tensors (the offsets it would record are the ones recorded here).
+        items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        # Expected bytes (payloads plus about 1.5 KiB of zip per item): the sink raises its part size if S3's part
+        # limit needs it.
+        hint = sum(_item_bytes(item) + 2048 for item in items)
+        with self._open_object(name, size_hint=hint) as sink:
+            for item in items:
+                results.append(self._write_item(sink, name, item, planner, lambda: new_hasher(seed)))
+            size = sink.tell()
+        if self._on_written is not None:
+            self._on_written(name, size, getattr(sink, "digest", None))
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def _write_item(self, sink: Any, name: str, item: Any, planner: Any, new_hasher: Callable[[], Any]) -> Any:
+        offset = sink.tell()
+        payload: Optional[list] = None
+        if item.type == WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item)
+            view = data.getbuffer()
+        else:
+            tensor = planner.resolve_data(item).detach().cpu()
+            if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() \
+                    or not tensor.is_contiguous():
+                # Exactly the tensor's bytes, row-major: what ranged reads assume (one copy, of this item only).
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            buffer = io.BytesIO()
+            torch.save(tensor, buffer)
+            del tensor
+            view = buffer.getbuffer()
+            length = item.tensor_data.chunk.sizes.numel() * _element_size(item.tensor_data.properties.dtype)
+            start = payload_start(view, length) if length else None
+            if start is not None:
+                size = block_size(length)
+                payload = [name, offset, start, size, block_digests(view[start:start + length], size, new_hasher)]
+        hasher = new_hasher()
+        hasher.update(view)
+        written = sink.write(view)
+        assert written == len(view)
+        length = len(view)
+        info = _StorageInfo(name, offset, length)
+        return WriteResult(index=item.index, size_in_bytes=length, storage_data=(info, hasher.intdigest(), payload))
+
+    def finish(self, metadata: Any, results: list) -> None:
+        payloads, plain = [], []
+        for rank_results in results:
+            unpacked = []
+            for result in rank_results:
+                info, digest, payload = result.storage_data
+                if payload is not None:
+                    payloads.append(payload)
+                unpacked.append(replace(result, storage_data=(info, digest)))
+            plain.append(unpacked)
+        super().finish(metadata, plain)  # `.metadata` and `checksums.json`, in rank 0's staging folder
+        manifest_path = Path(self.path) / CHECKSUMS_FILENAME
+        manifest = json.loads(manifest_path.read_bytes())
+        manifest[PAYLOADS_KEY] = sorted(payloads, key=lambda p: (p[0], p[1]))
+        with open(manifest_path, "w") as file:  # small, local, rank 0's: rewritten with the key added
+            json.dump(manifest, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def _item_bytes(item: Any) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return item.tensor_data.chunk.sizes.numel() * _element_size(item.tensor_data.properties.dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
