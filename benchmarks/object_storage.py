@@ -53,10 +53,10 @@ MIB = 2**20
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=320)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=384, help="a multiple of 6 (the heads)")
     parser.add_argument("--world4-layers", type=int, default=2, help="the model of the world-4 launch (bytes only)")
     parser.add_argument("--world4-dim", type=int, default=192)
     parser.add_argument("--worker", choices=("main", "scale"), default=None, help=argparse.SUPPRESS)
@@ -260,7 +260,7 @@ def _worker(args: argparse.Namespace) -> None:
         fabric.launch()
     fabric = fabrics["sync"]
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.dim)
+    config = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=6, n_embd=args.dim)
     with fabric.init_module(empty_init=True):
         plain = GPT(config)
     model, optimizer = fabric.setup(plain, make_optimizer(plain, 1e-4))
