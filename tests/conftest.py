@@ -174,3 +174,25 @@ def s3_server():
 
     yield s3server.server()
     s3server.stop()
+
+
+@pytest.fixture(scope="session")
+def ledger_server():
+    """moto's S3 app behind a middleware that counts each request's bytes per access key and injects faults
+    (``tests/ledger.py``), started once per session. Module-scoped fixtures (a launch) use this one; tests use
+    ``ledger``."""
+    from skips import require
+
+    require("moto.server")
+    import ledger as ledger_module
+
+    server = ledger_module.Ledger()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def ledger(ledger_server):
+    """The session's ledger (``ledger_server``), its records and fault rules forgotten before this test."""
+    ledger_server.reset()
+    return ledger_server
