@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import IO, Any, Callable, Union
+from typing import IO, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -168,13 +168,15 @@ class _AllowListUnpickler(pickle._Unpickler):
     del _op, _name, _depth, _made_by, _checked
 
 
-def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False) -> Any:
+def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False, data: Optional[bytes] = None) -> Any:
     """Unpickle DCP's ``.metadata`` at ``path`` with the allow-list (plain pickle only with ``allow_pickle``).
 
     Returns a DCP ``Metadata`` whose tables have the types DCP's readers rely on; raises ``CheckpointError`` naming
-    the file for any other bytes (see the module docstring)."""
+    the file for any other bytes (see the module docstring). ``data``: the file's bytes, already read (an object
+    streamed from a store: ``path`` is then its URL, for the messages only)."""
     unpickler, args = (pickle.Unpickler, ()) if allow_pickle else (_AllowListUnpickler, (repr(str(path)),))
-    data = Path(path).read_bytes()  # an OSError (missing, unreadable) stays one: it is not about the bytes
+    if data is None:
+        data = Path(path).read_bytes()  # an OSError (missing, unreadable) stays one: it is not about the bytes
     try:
         metadata = unpickler(io.BytesIO(data), *args).load()
     except CheckpointError:

@@ -37,13 +37,14 @@ from lightning_fsdp.checkpoint.formats.commit_order import COMMIT_ORDER_KEY, NEW
 from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME, build_record, encode_record, parse_record
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
-from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
+from lightning_fsdp.checkpoint.integrity.stream_verify import verify_objects
 from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io import remote_clean, remote_download, remote_upload
 from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
                                                        remove_token, staging_root, token_of_staging)
-from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, retrying
+from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, one_budget, retrying
+from lightning_fsdp.checkpoint.io.remote_windows import CommittedObjects
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
@@ -97,9 +98,22 @@ class FsspecStore:
             return None
 
     def verify(self, path: Any) -> bool:
-        """Fetch the committed objects (checked against COMMIT) and run the local verification on them."""
-        with self.local_copy(path) as local:
-            return verify_checkpoint(local)
+        """Check the committed checkpoint at ``path`` against its checksums in one pass over its objects, streamed
+        in windows with several in flight: no local copy, a few windows of memory (:mod:`.remote_windows`), the
+        verdicts and messages of the local verification (:mod:`~lightning_fsdp.checkpoint.integrity.stream_verify`).
+        Every request shares one bound (``LFSDP_STORE_TIMEOUT_S``), and a failed one is retried alone."""
+        target = self.target(path)
+        with one_budget():
+            record = self.read_commit(target)
+            if record is None:
+                missing = self._retrying(target, "reading", lambda: self._missing_bucket(target))
+                raise missing or FileNotFoundError(
+                    errno.ENOENT, f"{target!r} holds no committed checkpoint (no {COMMIT_NAME} object there: nothing"
+                    " was saved, or the save did not finish). HINT: pass the URL a save wrote, or an earlier"
+                    " checkpoint.")
+            objects = CommittedObjects(self.fs, target, record,
+                                       retry=lambda step: self._retrying(target, "downloading", step))
+            return verify_objects(objects)
 
     @contextlib.contextmanager
     def local_copy(self, path: Union[str, Path]) -> Iterator[Path]:
