@@ -13,23 +13,53 @@ import xxhash
 from lightning_fsdp.checkpoint.io.remote_errors import damaged
 from lightning_fsdp.checkpoint.io.urls import join
 
-__all__ = ["download", "RANGE"]
+__all__ = ["download", "RANGE", "SHARD_SUFFIX", "small_names", "fetch_small", "write_skeleton"]
+
+SHARD_SUFFIX = ".distcp"  # a sharded checkpoint's shard files: read by ranges, never fetched whole by a load
 
 RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
 _RANGE = RANGE
 
 
-def download(fs: Any, target: str, record: dict[str, Any], local: Path) -> None:
-    """Fetch the objects ``record`` names into ``local``, inside the load's own temporary folder
-    (``local.parent``, new and empty). Every destination is checked before the first byte is fetched."""
+def small_names(record: dict[str, Any]) -> list[str]:
+    """The objects of a sharded checkpoint that a load fetches whole, once (rank 0): everything but its shard files
+    (``.metadata``, ``checksums.json``, ``meta.pt``). Shard files are not, even small ones that COMMIT gives a
+    digest: each rank reads only its own ranges of them."""
+    return sorted(n for n in record["objects"] if not n.endswith(SHARD_SUFFIX))
+
+
+def fetch_small(fs: Any, target: str, record: dict[str, Any]) -> dict[str, bytes]:
+    """The bytes of :func:`small_names`, each checked against COMMIT's size and digest (one GET each)."""
+    prefix = join(target, "." + record["token"])
+    out: dict[str, bytes] = {}
+    for name in small_names(record):
+        url = join(prefix, name)
+        data = fs.cat_file(url)
+        size, digest = record["objects"][name]
+        if len(data) != size:
+            raise damaged(url, f"it has {len(data)} bytes, its commit records {size}")
+        if digest is not None and xxhash.xxh3_64_intdigest(data) != digest:
+            raise damaged(url, "its bytes do not match the digest its commit records")
+        out[name] = data
+    return out
+
+
+def write_skeleton(record: dict[str, Any], small: dict[str, bytes], local: Path, target: str) -> None:
+    """Write the small objects into ``local``, a new folder inside the load's own temporary folder
+    (``local.parent``): the checks and readers that work on a folder read them there; the shards stay remote."""
+    prefix = join(target, "." + record["token"])
+    places = _places(prefix, list(small), local, True)
+    local.mkdir(parents=True, exist_ok=False)
+    for name, data in small.items():
+        _check_free(prefix, name, places[name], local.parent.resolve())
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with open(os.open(places[name], flags, 0o600), "wb") as out:
+            out.write(data)
+
+
+def _places(prefix: str, names: list[str], local: Path, sharded: bool) -> dict[str, Path]:
     from lightning_fsdp.checkpoint.formats.commit_record import safe_object_name
 
-    prefix = join(target, "." + record["token"])
-    objects = record["objects"]
-    sharded = record.get("kind") == "sharded"
-    # Defence in depth: parse_record already refused unsafe names on the rank that read COMMIT. Here every rank
-    # checks again what it writes: the name, then where it resolves (a `..` or a symbolic link on the way would
-    # lead out of the folder), and no symbolic link is followed or written through.
     root = local.parent.resolve()
 
     def place_of(name: str) -> Path:
@@ -40,7 +70,28 @@ def download(fs: Any, target: str, record: dict[str, Any], local: Path) -> None:
                           f" {str(root)!r}")
         return place
 
-    places = {name: place_of(name) for name in objects}
+    return {name: place_of(name) for name in names}
+
+
+def _check_free(prefix: str, name: str, place: Path, root: Path) -> None:
+    place.parent.mkdir(parents=True, exist_ok=True)
+    links = [p for p in (place, *place.parents) if p != root and root in p.parents and p.is_symlink()]
+    if links or os.path.lexists(place):
+        raise damaged(join(prefix, name), f"its place {str(place)!r} in the load's new folder is already"
+                      " taken (a symbolic link or another object), so nothing is written through it")
+
+
+def download(fs: Any, target: str, record: dict[str, Any], local: Path) -> None:
+    """Fetch the objects ``record`` names into ``local``, inside the load's own temporary folder
+    (``local.parent``, new and empty). Every destination is checked before the first byte is fetched."""
+    prefix = join(target, "." + record["token"])
+    objects = record["objects"]
+    sharded = record.get("kind") == "sharded"
+    # Defence in depth: parse_record already refused unsafe names on the rank that read COMMIT. Here every rank
+    # checks again what it writes: the name, then where it resolves (a `..` or a symbolic link on the way would
+    # lead out of the folder), and no symbolic link is followed or written through.
+    root = local.parent.resolve()
+    places = _places(prefix, list(objects), local, sharded)
     # A retried download (a transient failure) starts again from an empty folder: what the attempt before wrote
     # is ours, and is removed without following a link.
     if os.path.islink(local) or local.is_file():
@@ -50,11 +101,7 @@ def download(fs: Any, target: str, record: dict[str, Any], local: Path) -> None:
     if sharded:
         local.mkdir(parents=True, exist_ok=True)
     for name, place in places.items():
-        place.parent.mkdir(parents=True, exist_ok=True)
-        links = [p for p in (place, *place.parents) if p != root and root in p.parents and p.is_symlink()]
-        if links or os.path.lexists(place):
-            raise damaged(join(prefix, name), f"its place {str(place)!r} in the load's new folder is already"
-                          " taken (a symbolic link or another object), so nothing is written through it")
+        _check_free(prefix, name, place, root)
     small = [n for n, (size, _) in objects.items() if size <= _RANGE]
     if small:
         fs.get([join(prefix, n) for n in small], [str(places[n]) for n in small])
