@@ -21,6 +21,7 @@ from xml.sax.saxutils import escape
 from aiohttp import web
 
 _ETAGS = itertools.count(1)
+_CHUNK = 2**20
 NS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 
 
@@ -77,7 +78,15 @@ class Stub:
             if method == "HEAD":
                 headers["Content-Length"] = str(end - start)
                 return web.Response(status=status, headers=headers)
-            return web.Response(status=status, headers=headers, body=memoryview(body)[start:end])
+            # Written in 1 MiB views: one write of a whole large body makes aiohttp buffer a copy of it.
+            response = web.StreamResponse(status=status, headers=headers)
+            response.content_length = end - start
+            await response.prepare(request)
+            view = memoryview(body)
+            for at in range(start, end, _CHUNK):
+                await response.write(view[at:min(at + _CHUNK, end)])
+            await response.write_eof()
+            return response
         if method == "DELETE":
             objects.pop(key, None)
             return web.Response(status=204)
