@@ -83,6 +83,13 @@ def legacy_storage_type(dtype):
     return getattr(torch, _dtype_to_storage_type_map()[dtype])
 
 
+def meta_record_offset(storage):
+    """Where in the archive it read ``torch.load(..., map_location="meta")`` found the record of a meta ``storage``
+    (torch's private ``_checkpoint_offset``), or None: how a full checkpoint read by ranges tells which data record
+    each meta tensor stands for, views and ties included (:mod:`lightning_fsdp.checkpoint.io.remote_full`)."""
+    return getattr(storage, "_checkpoint_offset", None)
+
+
 def planner_tools():
     """torch's fake process group store (importing its module registers the ``"fake"`` backend), fake tensors, FSDP2
     memory tracker, and the tracker's two peak states (forward, backward): what :mod:`lightning_fsdp.planner` plans
@@ -309,6 +316,7 @@ __all__ = [
     "FabricConnector",
     "TrainerConnector",
     "legacy_storage_type",
+    "meta_record_offset",
     "dtensor_around",
     "open_zipfile_writer",
     "rebuild_tensor",
