@@ -158,6 +158,13 @@ def _write_full(path: Union[str, Path], obj: Any, comm: Communicator,
     target, staged, _ = _prepare(store, path, comm, "Checking the checkpoint path", storage_options)
 
     def write() -> None:
+        if comm.global_rank == 0 and getattr(store, "remote", False):
+            # Into its object under the save's token, straight from memory (issue 43): nothing on local disk. The
+            # commit names it by the size written (`remote_upload.note_streamed`), and a failed write aborts it.
+            sink = remote_upload.open_streamed(store.fs, staged, str(target), staged.name)
+            write_full_checkpoint(str(target), obj, is_writer=True, sink=sink)
+            remote_upload.note_streamed(staged, staged.name, sink.size, sink.digest)
+            return
         write_full_checkpoint(staged, obj, is_writer=comm.global_rank == 0)
         if comm.global_rank == 0:
             store.flush(staged)

@@ -39,18 +39,22 @@ from lightning_fsdp.checkpoint.io.memory import TrimAfter
 __all__ = ["write_full_checkpoint", "write_streaming", "save_file"]
 
 
-def write_full_checkpoint(path: Path, obj: Any, *, is_writer: bool) -> None:
+def write_full_checkpoint(path: Union[Path, str], obj: Any, *, is_writer: bool, sink: Any = None) -> None:
     """Write ``obj`` (nested dicts/lists of tensors, DTensors and plain values) as a ``torch.save`` file on the
-    writer rank; every rank must call this with the same structure, since DTensors are gathered collectively."""
-    write_streaming(path if is_writer else None, obj, _gather)
+    writer rank; every rank must call this with the same structure, since DTensors are gathered collectively.
+    ``sink``: an upload sink (:mod:`.sink`) to stream the file into instead of writing it at ``path`` (which then
+    only names it in errors)."""
+    write_streaming(path if is_writer else None, obj, _gather, sink=sink if is_writer else None)
 
 
-def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tensor], Tensor],
-                    commit_order: Union[int, None, str] = NEW) -> None:
+def write_streaming(path: Union[Path, str, None], obj: Any, materialize: Callable[[Tensor], Tensor],
+                    commit_order: Union[int, None, str] = NEW, *, sink: Any = None) -> None:
     """Core of the streaming writer. ``materialize`` turns each tensor of ``obj`` into a CPU tensor when its turn
     comes (gathering, reading from disk, ...); with ``path=None`` it still runs, for its collectives, and nothing is
     written. ``commit_order``: what the checksums record records (a convert keeps its source's, see
-    :data:`~lightning_fsdp.checkpoint.formats.commit_order.NEW`)."""
+    :data:`~lightning_fsdp.checkpoint.formats.commit_order.NEW`). ``sink``: an upload sink (:mod:`.sink`, a context
+    manager) that the archive streams into instead of a file at ``path``, straight from memory (issue 43): it is
+    completed once the archive is whole, and aborted (no object) on any error."""
     skeleton, tensors = _skeletonize(obj)
     if path is None:
         for tensor in tensors:
@@ -60,7 +64,7 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
     # ranks would wait in them forever; the error is raised once every tensor has been through `materialize`.
     error: Optional[BaseException] = None
     try:
-        stream = WriteRecorder(open(path, "wb"))  # noqa: SIM115 - closed below on every path
+        stream = WriteRecorder(sink if sink is not None else open(path, "wb"))  # noqa: SIM115 - closed below
     except Exception:  # noqa: BLE001 - re-raised below, e.g. a missing directory or a read-only filesystem
         for tensor in tensors:
             materialize(tensor)
@@ -107,8 +111,14 @@ def write_streaming(path: Optional[Path], obj: Any, materialize: Callable[[Tenso
         error = first_explaining(error, err)
     finally:
         try:
-            stream.close()
-        except Exception as err:  # noqa: BLE001 - the final flush failed
+            if sink is None:
+                stream.close()
+            elif error is None and stream.error is None:
+                sink.__exit__(None, None, None)  # the archive is whole: complete the object
+            else:
+                failed = error or stream.error
+                sink.__exit__(type(failed), failed, failed.__traceback__)  # abort: no object appears
+        except Exception as err:  # noqa: BLE001 - the final flush (or the upload's completion) failed
             error = first_explaining(error, err)
     if error is not None:
         raise_explained(stream.error or error, path)
