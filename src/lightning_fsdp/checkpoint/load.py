@@ -41,6 +41,9 @@ from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Commu
 from lightning_fsdp.checkpoint.integrity.digests import note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
+from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
+from lightning_fsdp.checkpoint.io import ranged_read
+from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
 from lightning_fsdp.checkpoint.io.store import store_for
 from lightning_fsdp.checkpoint.latest import resolve_latest
@@ -187,8 +190,9 @@ def _load_sharded(
         # Only the state the checkpoint holds is read; the parameters it has none for get none (see below).
         request["state"] = {name: value for name, value in request.get("state", {}).items() if name in saved}
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
-    # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads.
-    reader = VerifyingReader(source, allow_pickle=not weights_only)
+    # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads;
+    # from a bucket, each rank reads only the byte ranges of its own items, into memory (issue 43).
+    reader = _sharded_reader(source, weights_only)
     together(comm, f"Reading the shards of {str(source)!r}",
              lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
     # Every rank read the same param groups, so every rank reaches the same answer.
@@ -394,16 +398,35 @@ def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only
     return together(comm, f"Finding the model in {str(source)!r}", find)
 
 
+def _sharded_reader(source: Path, weights_only: bool) -> VerifyingReader:
+    remote = remote_objects(source)
+    if remote is None:
+        return VerifyingReader(source, allow_pickle=not weights_only)
+    return StreamingReader(source, allow_pickle=not weights_only, url_of=remote.url,
+                           fetch=lambda needs: ranged_read.fetch(remote, needs))
+
+
 def _check_shard_files(source: Path, weights_only: bool) -> None:
     """Name a missing or truncated ``.distcp`` file before DCP trips over it with an anonymous read error: the
-    metadata records where in which file every piece lives, so each file must reach the end of its last piece."""
+    metadata records where in which file every piece lives, so each file must reach the end of its last piece.
+    From a bucket, the sizes are COMMIT's (checked against the objects when the save committed them)."""
     metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    remote = remote_objects(source)
     for name, size in sorted(needed.items()):
         file = source / name
+        if remote is not None:
+            where = remote.url(name) if name in remote.objects else f"{remote.prefix}/{name}"
+            if name not in remote.objects:
+                raise FileNotFoundError(f"the shard file {where!r} is not among the objects its COMMIT names. HINT:"
+                                        " the checkpoint is incomplete; load an earlier one.")
+            if remote.size(name) < size:
+                raise ValueError(f"the shard file {where!r} is truncated ({remote.size(name)} bytes, the metadata needs"
+                                 f" {size}). HINT: the checkpoint is damaged; load an earlier one.")
+            continue
         if not file.is_file():
             raise FileNotFoundError(f"the shard file {str(file)!r} is missing. HINT: the checkpoint is incomplete; load an earlier one.")
         actual = file.stat().st_size

@@ -117,7 +117,7 @@ class FsspecStore:
 
     @contextlib.contextmanager
     def local_copy(self, path: Union[str, Path]) -> Iterator[Path]:
-        with self.open_committed(path, OneProcess()) as local:
+        with self.open_committed(path, OneProcess(), whole=True) as local:
             yield local
 
     def staging(self, target: Any, token: str, rank: int) -> Path:
@@ -293,10 +293,20 @@ class FsspecStore:
         return self._retrying(target, "reading", read)
 
     @contextlib.contextmanager
-    def open_committed(self, path: Union[str, Path], comm: Communicator) -> Iterator[Path]:
+    def open_committed(self, path: Union[str, Path], comm: Communicator, *, whole: bool = False) -> Iterator[Path]:
+        """A local folder (or file) to read the committed checkpoint at ``path`` from, for the time of the block.
+
+        A sharded checkpoint (issue 43): rank 0 reads COMMIT and the small objects (``.metadata``,
+        ``checksums.json``, ``meta.pt``), checks them against COMMIT's sizes and digests, and broadcasts their bytes;
+        every rank writes them into a new "skeleton" folder, so the checks that read a folder work as for a local
+        checkpoint, and the shard files stay in the bucket: :mod:`.remote_source` says where, and the load reads
+        each rank's own byte ranges of them. One GET per small object in all, whatever the world size.
+        A full checkpoint, or ``whole=True`` (a local copy for inspect, convert and verify), is downloaded whole."""
+        from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects, registered
+
         target = self.target(path)
 
-        def read() -> Optional[dict[str, Any]]:
+        def read() -> Optional[tuple[dict[str, Any], Optional[dict[str, bytes]]]]:
             if comm.global_rank != 0:
                 return None
             record = self.read_commit(target)
@@ -308,18 +318,34 @@ class FsspecStore:
                 raise FileNotFoundError(errno.ENOENT, f"{target!r} holds no committed checkpoint (no"
                                         f" {COMMIT_NAME} object there: nothing was saved, or the save did not finish)."
                                         " HINT: pass the URL a save wrote, or an earlier checkpoint.")
-            return record
+            # A sharded record naming no `.metadata` is no DCP checkpoint that ranges could be read from: fetched
+            # whole, as before, so its load says what it is.
+            if whole or record.get("kind") != "sharded" or ".metadata" not in record["objects"]:
+                return record, None
+            return record, self._retrying(target, "downloading",
+                                          lambda: remote_download.fetch_small(self.fs, target, record))
 
-        record = comm.broadcast(together(comm, f"Opening the checkpoint {target!r}", read))
+        record, small = comm.broadcast(together(comm, f"Opening the checkpoint {target!r}", read))
         root = Path(tempfile.mkdtemp(prefix=load_prefix()))
         local = root / (record.get("name") or "checkpoint")
         try:
-            together(comm, f"Downloading the checkpoint {target!r}",
-                     lambda: self._retrying(target, "downloading", lambda: self._download(target, record, local)))
-            try:
-                yield local
-            except Exception as err:
-                raise _renamed(err, str(local), target)  # the message names the URL, not the temporary copy
+            if small is None:
+                together(comm, f"Downloading the checkpoint {target!r}",
+                         lambda: self._retrying(target, "downloading", lambda: self._download(target, record, local)))
+                opened: Any = contextlib.nullcontext()
+            else:
+                if record["kind"] == "sharded":
+                    together(comm, f"Opening the checkpoint {target!r}",
+                             lambda: remote_download.write_skeleton(record, small, local, target))
+                objects = {name: (size, digest) for name, (size, digest) in record["objects"].items()}
+                opened = registered(RemoteObjects(
+                    self.fs, target, join(target, "." + record["token"]), record["kind"], objects, local,
+                    retry=lambda step: self._retrying(target, "downloading", step)))
+            with opened:
+                try:
+                    yield local
+                except Exception as err:
+                    raise _renamed(err, str(local), target)  # the message names the URL, not the temporary copy
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
