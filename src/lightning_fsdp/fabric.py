@@ -103,6 +103,11 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             one call. Keep credentials in the environment or a profile (``{"profile": "name"}``): values under
             secret-looking keys (``key``, ``secret``, ``token``, ...) are shown as ``***`` in the config's repr,
             errors and LightningCLI's config dump, and a ``***`` read back is refused.
+        part_size, parts_in_flight, ranges_in_flight, range_size: how a rank moves checkpoint bytes to and from
+            object storage, per rank (None: the default). A sharded save streams each rank's shard from memory in
+            upload parts of ``part_size`` bytes (default 8 MiB; 5 MiB to 5 GiB), ``parts_in_flight`` at once
+            (default 4), so its upload buffers hold at most ``(parts_in_flight + 1) * part_size``; a load keeps
+            ``ranges_in_flight`` ranged reads (default 8) of at most ``range_size`` bytes (default 32 MiB) in flight.
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
@@ -143,6 +148,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
         storage_options: Optional[StorageOptions] = None,  # any dict; the type masks secrets in dumps
+        part_size: Optional[int] = None,
+        parts_in_flight: Optional[int] = None,
+        ranges_in_flight: Optional[int] = None,
+        range_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))

@@ -75,26 +75,26 @@ def async_save_to_a_bucket_uploads_in_the_background_and_loads_exactly():
     keeps the gate shut until the process group's timeout. Then the round trip is exact."""
     import threading
 
-    from lightning_fsdp.checkpoint.io.store import store_for
+    from lightning_fsdp.checkpoint.io import remote_upload
 
     released, uploads, saving = threading.Event(), [], threading.get_ident()
-    store = store_for(f"s3://{BUCKET}/any")  # the one store of this process for s3:// without options: the save's
-    put = store.fs.put
+    # Each rank's shard streams into its object (issue 43): the upload begins where that object is opened.
+    open_streamed = remote_upload.open_streamed
 
-    def gated_put(*args, **kwargs):
+    def gated_open(*args, **kwargs):
         if threading.get_ident() == saving:  # waiting here would wait for ourselves
             uploads.append("on the saving thread, before the save returned")
         elif released.wait(timeout=TIMEOUT.total_seconds()):
             uploads.append("in the background, finished after the save returned")
         else:
             uploads.append(f"in the background, but the save had not returned after {TIMEOUT}: it waited for it")
-        return put(*args, **kwargs)
+        return open_streamed(*args, **kwargs)
 
-    store.fs.put = gated_put
+    remote_upload.open_streamed = gated_open
     try:
         details = _round_trip("sharded", async_save=True, after_save=released.set)
     finally:
-        store.fs.put = put
+        remote_upload.open_streamed = open_streamed
     assert uploads and set(uploads) == {"in the background, finished after the save returned"}, uploads
     return {**details, "uploads": uploads}
 
@@ -229,14 +229,16 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
     fabric.strategy.wait_for_saves()
     first = full_params(model)
     train_steps(fabric, model, opt, 1)
-    store = store_for(url)
-    put, backoff, attempts = store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS
-    if fabric.global_rank == 1:  # the store answers rank 1's uploads with 503 SlowDown, every time
-        def slow_down(*args, **kwargs):
-            raise OSError("An error occurred (SlowDown) when calling the PutObject operation: Please reduce your"
-                          " request rate.")
+    store = store_for(url)  # the one store of this process for s3:// without options: the save's
+    call, backoff, attempts = store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS
+    if fabric.global_rank == 1:  # the store answers rank 1's uploads (its streamed shard) with 503 SlowDown
+        async def slow_down(method, *args, **kwargs):
+            if method in ("put_object", "upload_part"):
+                raise OSError("An error occurred (SlowDown) when calling the PutObject operation: Please reduce"
+                              " your request rate.")
+            return await call(method, *args, **kwargs)
         # Four attempts without waits: the bound alone would retry for its 60 s.
-        store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = slow_down, 0.0, 4
+        store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = slow_down, 0.0, 4
     try:
         fabric.save(url, {"model": model, "optimizer": opt, "step": 2})  # returns: the upload is in the background
         try:
@@ -246,7 +248,7 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
         else:
             raise AssertionError("the failed background upload was not reported")
     finally:
-        store.fs.put, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = put, backoff, attempts
+        store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = call, backoff, attempts
     assert "failed on rank 1" in message and url in message and "SlowDown" in message and "HINT" in message, message
     model2, opt2 = _setup(fabric, seed=1)
     assert fabric.load(url, {"model": model2, "optimizer": opt2}) == {"step": 1}

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp._base.secrets import StorageOptions, mask_secrets
 from lightning_fsdp._fronts.registry import register_into
+from lightning_fsdp.checkpoint.io.transfers import check_transfers, set_transfers
 from lightning_fsdp.checkpoint.io.urls import check_storage_options
 from lightning_fsdp.engine.config import FSDPConfig, check_fsdp1_kwargs
 from lightning_fsdp.engine.core import FSDPEngine
@@ -86,6 +87,12 @@ class FrontMixin:
     def _storage_options(self, storage_options: Optional[Any], method: str = "save_checkpoint") -> Optional[dict[str, Any]]:
         """The fsspec options of a save, load or removal: the call's own (``method``'s ``storage_options``), else the
         strategy's. Used for checkpoint URLs only (``s3://...``); a local path ignores them."""
+        # Every save, load and removal sets this strategy's transfer sizes first (`part_size`, ...: one setting per
+        # process, read by the upload sinks and ranged reads; two strategies in one process each move bytes with
+        # their own). A strategy given none leaves the process's setting as it is.
+        given = self._engine.config.transfer_arguments
+        if given:
+            set_transfers(check_transfers(**given))
         if storage_options is None:
             return self._engine.config.storage_options_dict
         return check_storage_options(storage_options, f"{type(self).__name__}.{method}(..., storage_options)")

@@ -35,6 +35,8 @@ __all__ = [
     "HybridNoSync",
     "StateDictType",
     "check_fsdp1_kwargs",
+    "check_transfer",
+    "TRANSFER_LIMITS",
 ]
 
 
@@ -103,6 +105,17 @@ class FSDPConfig:
     # keyword arguments of the fsspec filesystem of checkpoint URLs (see `checkpoint/io/urls.py`); a StorageOptions,
     # whose repr masks credentials, so printing the config never shows them; out of the hash (a dict is not hashable)
     storage_options: Optional[StorageOptions] = field(default=None, hash=False)
+    # sizes and windows of streamed transfers to and from object storage (see `checkpoint/io/transfers.py`);
+    # None: the default there
+    part_size: Optional[int] = None
+    parts_in_flight: Optional[int] = None
+    ranges_in_flight: Optional[int] = None
+    range_size: Optional[int] = None
+
+    @property
+    def transfer_arguments(self) -> dict[str, int]:
+        """The transfer settings the user gave (the others stay at their defaults)."""
+        return {name: getattr(self, name) for name in TRANSFER_LIMITS if getattr(self, name) is not None}
 
     @property
     def storage_options_dict(self) -> Optional[dict[str, Any]]:
@@ -136,6 +149,10 @@ class FSDPConfig:
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: PlanInput = None,
         storage_options: Optional[dict[str, Any]] = None,
+        part_size: Optional[int] = None,
+        parts_in_flight: Optional[int] = None,
+        ranges_in_flight: Optional[int] = None,
+        range_size: Optional[int] = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         tensor_parallel = parse_tensor_parallel(tensor_parallel_size, tensor_parallel_plan)
@@ -166,6 +183,10 @@ class FSDPConfig:
             backward_prefetch=parse_backward_prefetch(backward_prefetch),
             tensor_parallel=tensor_parallel,
             storage_options=_parse_storage_options(storage_options),
+            part_size=check_transfer("part_size", part_size),
+            parts_in_flight=check_transfer("parts_in_flight", parts_in_flight),
+            ranges_in_flight=check_transfer("ranges_in_flight", ranges_in_flight),
+            range_size=check_transfer("range_size", range_size),
         )
 
 
@@ -316,6 +337,32 @@ def _parse_storage_options(value: Any) -> Optional[StorageOptions]:
         ))
     refuse_masked(value, "storage_options")
     return StorageOptions(value)
+
+
+MiB = 2**20
+# Streamed transfers to and from object storage, per rank (`checkpoint/io/transfers.py` holds the values in force):
+# argument -> (smallest, largest, default, what it is).
+TRANSFER_LIMITS = {
+    "part_size": (5 * MiB, 5 * 2**30, 8 * MiB, "bytes per upload part (S3 accepts 5 MiB to 5 GiB)"),
+    "parts_in_flight": (1, 64, 4, "upload parts in flight per object"),
+    "ranges_in_flight": (1, 64, 8, "ranged reads in flight per rank"),
+    "range_size": (MiB, 2**30, 32 * MiB, "bytes per ranged read"),
+}
+
+
+def check_transfer(name: str, value: Any) -> Optional[int]:
+    """``value`` of the transfer argument ``name`` (None: its default), or ``ValueError`` naming the argument, the
+    value, the allowed range and the fix."""
+    if value is None:
+        return None
+    low, high, default, what = TRANSFER_LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(bad_argument(
+            name, value, f"an integer from {low} to {high} ({what})",
+            f"leave it out for the default ({default}), or pass a value in that range"
+            + (", e.g. `part_size=16 * 2**20`." if name == "part_size" else "."),
+        ))
+    return value
 
 
 def _parse_async_save(value: Any, state_dict_type: Any) -> bool:

@@ -16,23 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Transfers", "transfers", "set_transfers", "check_transfers"]
+from lightning_fsdp.engine.config import TRANSFER_LIMITS, check_transfer
+
+__all__ = ["Transfers", "transfers", "set_transfers", "check_transfers", "MiB"]
 
 MiB = 2**20
-_LIMITS = {  # argument: (smallest, largest, what it is)
-    "part_size": (5 * MiB, 5 * 2**30, "bytes per upload part (S3 accepts 5 MiB to 5 GiB)"),
-    "parts_in_flight": (1, 64, "upload parts in flight per object"),
-    "ranges_in_flight": (1, 64, "ranged reads in flight per rank"),
-    "range_size": (MiB, 2**30, "bytes per ranged read"),
-}
 
 
 @dataclass(frozen=True)
 class Transfers:
-    part_size: int = 8 * MiB
-    parts_in_flight: int = 4
-    ranges_in_flight: int = 8
-    range_size: int = 32 * MiB
+    part_size: int = TRANSFER_LIMITS["part_size"][2]
+    parts_in_flight: int = TRANSFER_LIMITS["parts_in_flight"][2]
+    ranges_in_flight: int = TRANSFER_LIMITS["ranges_in_flight"][2]
+    range_size: int = TRANSFER_LIMITS["range_size"][2]
 
 
 _current = Transfers()
@@ -40,18 +36,14 @@ _current = Transfers()
 
 def check_transfers(**values: Any) -> Transfers:
     """A :class:`Transfers` from ``values`` (the others at their defaults), each checked: ``ValueError`` naming the
-    argument, the value, the allowed range and the fix."""
+    argument, the value, the allowed range and the fix (the strategy's own check, :func:`engine.config.check_transfer`;
+    None is the default)."""
     known = {f.name for f in fields(Transfers)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise TypeError(f"Unknown transfer setting(s) {unknown}. HINT: use one of {sorted(known)}.")
-    for name, value in values.items():
-        low, high, what = _LIMITS[name]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"`{name}={value!r}` is not allowed: it is the {what}, an integer from {low} to {high}."
-                             f" HINT: leave it out for the default ({getattr(Transfers(), name)}), or pass a value in"
-                             " that range.")
-    return replace(Transfers(), **values)
+    checked = {name: check_transfer(name, value) for name, value in values.items()}
+    return replace(Transfers(), **{name: value for name, value in checked.items() if value is not None})
 
 
 def transfers() -> Transfers:
