@@ -158,6 +158,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: Optional[Union[str, dict[str, str], Callable[[Module, DeviceMesh], None]]] = None,
         storage_options: Optional[StorageOptions] = None,  # any dict; the type masks secrets in dumps
+        part_size: Optional[int] = None,
+        parts_in_flight: Optional[int] = None,
+        ranges_in_flight: Optional[int] = None,
+        range_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:
