@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,6 +43,7 @@ from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
 from lightning_fsdp.checkpoint.io import ranged_read
+from lightning_fsdp.checkpoint.io.remote_full import RemoteFullFile
 from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
 from lightning_fsdp.checkpoint.io.store import store_for
@@ -124,7 +125,8 @@ def _checkpoint_keys(source: Path, weights_only: Optional[bool], comm: Communica
             meta_file = source / METADATA_FILENAME
             metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
             return _dcp_top_level_keys(source, weights_only) | set(metadata)
-        contents = _torch_load(source, weights_only)  # memory-mapped: the tensors are not read
+        # Memory-mapped, or from a bucket by ranges (the index only): no tensor is read.
+        contents, _ = _open_full(source, weights_only)
         return set(contents) if isinstance(contents, dict) else set()
 
     return comm.broadcast(together(comm, f"Listing the keys of {str(source)!r}", read))
@@ -132,6 +134,9 @@ def _checkpoint_keys(source: Path, weights_only: Optional[bool], comm: Communica
 
 def _detect(source: Path) -> bool:
     """True for a sharded checkpoint, False for a full one; raises for anything else."""
+    remote = remote_objects(source)
+    if remote is not None and remote.kind == "full":  # in a bucket, read by ranges: nothing here on local disk
+        return False
     if is_sharded_checkpoint(source):
         return True
     if is_full_checkpoint(source):
@@ -241,15 +246,17 @@ def _load_full(
 ) -> dict[str, Any]:
     # Rank 0 maps the file; the others learn its keys and its non-tensor entries, then receive tensors one by one.
     contents: dict[str, Any] = {}
-    verifiers: list[LoadVerifier] = []  # rank 0's, once the file is open
+    verifiers: list[Any] = []  # rank 0's, once the file is open: a LoadVerifier, or the file in a bucket
 
     def open_file() -> None:
         if comm.global_rank == 0:  # only rank 0 reads the file, so only rank 0 checks it
             # Memory-mapped: no tensor byte is read yet. A file that fails to parse is checked against its zip
-            # records' checksums by the reader, which names the damage if that is the cause.
-            loaded = _torch_load(source, weights_only)
-            # Checked as the broadcasts below read each tensor, in the same mapping (see LoadVerifier).
-            verifiers.append(LoadVerifier.open(source, loaded))
+            # records' checksums by the reader, which names the damage if that is the cause. From a bucket: the
+            # index alone, by ranges; every tensor is a meta tensor until the broadcast below asks for it.
+            loaded, remote = _open_full(source, weights_only)
+            # Checked as the broadcasts below read each tensor, in the same mapping (see LoadVerifier), or as each
+            # record arrives from the bucket (see remote_full).
+            verifiers.append(remote if remote is not None else LoadVerifier.open(source, loaded))
             if not verifiers[0].recorded:
                 note_unverified(source)
             if not isinstance(loaded, dict):
@@ -276,10 +283,13 @@ def _load_full(
         used = set(split.models) | set(split.optimizers) | checkpoint_keys_used(mapping)
         tables = {k: fit.checkpoint_shapes(v) if k in split.models else (fit.saved_state_names(v), fit.listed_names(v))
                   for k, v in entries.items()}
-        return list(entries), {k: v for k, v in contents.items() if k not in used}, tables
+        rest = {k: v for k, v in contents.items() if k not in used}
+        # From a bucket, the entries broadcast as objects (plain values, a tensor among them) are fetched here.
+        return list(entries), remote.materialize(rest) if remote is not None else rest, tables
 
     # Errors on rank 0 (e.g. an optimizer state that does not fit the optimizer) must reach every rank, or the
     # others would wait in the state-dict API's broadcast.
+    remote = verifiers[0] if verifiers and not isinstance(verifiers[0], LoadVerifier) else None
     located = together(comm, f"Reading {str(source)!r}", lambda: locate() if comm.global_rank == 0 else None)
     found, metadata, tables = comm.broadcast(located)
     _check_requested(state, [*found, *metadata], strict)
@@ -295,17 +305,27 @@ def _load_full(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     # `strict` is checked above (`fit`); torch's own optimizer check would count never-stepped parameters as missing.
     optimizer_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    check = verifiers[0].check if verifiers else lambda tensor: None
     for key, module in split.models.items():
         if key in found:
             # Entry by entry through the module's own `load_state_dict`, so hooks that rename keys (litgpt's LoRA
             # layers) see the file's names on every rank; see `full_state_load`.
-            full = _CheckedOnRead(entries.get(key, {}), check) if comm.global_rank == 0 else None
-            load_full_from_rank0(module, full, strict=strict)
+            full = _CheckedOnRead(entries.get(key, {}), verifiers[0]) if comm.global_rank == 0 else None
+            try:
+                load_full_from_rank0(module, full, strict=strict)
+            finally:
+                if full is not None:
+                    full.close()
+            entries.pop(key, None)
     for key, optimizer in split.optimizers.items():
         if key in found:
-            _set_optimizer_state(split.owners[key], optimizer, entries.get(key, {}), fit.never_stepped(*tables[key]),
+            # torch's state-dict API flattens an optimizer's state before it broadcasts it, so from a bucket rank 0
+            # fetches this optimizer's records (prefetched in order) before, and drops them after.
+            saved = entries.pop(key, {})
+            if remote is not None:
+                saved = remote.materialize(saved)
+            _set_optimizer_state(split.owners[key], optimizer, saved, fit.never_stepped(*tables[key]),
                                  optimizer_options)
+            del saved
     # A mismatch found while broadcasting raises here, on every rank, before the load returns. The damaged values
     # have been broadcast by then (stopping rank 0 alone mid-broadcast would hang the others).
     together(comm, f"Verifying {str(source)!r}", lambda: verifiers[0].finish() if verifiers else None)
@@ -313,17 +333,28 @@ def _load_full(
 
 
 class _CheckedOnRead(dict):
-    """A model's full state dict on rank 0 that hands each tensor to ``check`` as the state-dict API takes it to
-    broadcast it (``state_dict[key]``), so its record is hashed right before the broadcast reads the same pages."""
+    """A model's full state dict on rank 0 that hands each tensor to its file's reader as the state-dict API takes it
+    to broadcast it (``state_dict[key]``): a local file's record is hashed right before the broadcast reads the same
+    pages (:class:`LoadVerifier`); a file in a bucket gives the record's data, fetched (the next ones prefetched, in
+    this dict's order) and checked as it arrives (:mod:`~lightning_fsdp.checkpoint.io.remote_full`)."""
 
-    def __init__(self, entries: dict[str, Any], check: Any) -> None:
+    def __init__(self, entries: dict[str, Any], reader: Any) -> None:
         super().__init__(entries)
-        self._check = check
+        self._check = reader.check if isinstance(reader, LoadVerifier) else None
+        self._stream = None if self._check is not None else reader.stream(v for v in entries.values()
+                                                                          if isinstance(v, torch.Tensor))
 
     def __getitem__(self, key: str) -> Any:
         value = super().__getitem__(key)
-        self._check(value)
-        return value
+        if self._check is not None:
+            self._check(value)
+            return value
+        return self._stream.take(value) if isinstance(value, torch.Tensor) and value.device.type == "meta" else value
+
+    def close(self) -> None:
+        """End the prefetch threads (entries a non-strict load skipped are never taken)."""
+        if self._stream is not None:
+            self._stream.close()
 
 
 def _param_names(model: Module, optimizer: Optimizer) -> list[str]:
@@ -384,7 +415,7 @@ def _raw_model_key(source: Path, sharded: bool, comm: Communicator, weights_only
                 kinds[top] = kinds.get(top, False) or rest.startswith(("state.", "param_groups"))
             models = [k for k, is_optimizer in kinds.items() if not is_optimizer]
         else:
-            contents = _torch_load(source, weights_only)
+            contents, _ = _open_full(source, weights_only)  # from a bucket: the index alone, by ranges
             if all(torch.is_tensor(v) for v in contents.values()):
                 return None
             models = [k for k, v in contents.items() if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())]
@@ -454,9 +485,20 @@ def _dcp_top_level_keys(path: Path, weights_only: bool) -> set[str]:
     return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
 
 
-def _torch_load(path: Path, weights_only: bool) -> Any:
+def _open_full(source: Path, weights_only: bool) -> tuple[Any, Optional[RemoteFullFile]]:
+    """A full checkpoint's contents, on the rank that reads it: memory-mapped from a local file (no tensor read),
+    or, in a bucket, from its index read by ranges, each tensor a meta tensor that the returned file fetches
+    (:mod:`~lightning_fsdp.checkpoint.io.remote_full`); nothing is downloaded."""
+    objects = remote_objects(source)
+    if objects is None or objects.kind != "full":
+        return _torch_load(source, weights_only), None
+    remote = RemoteFullFile(objects)
+    return _torch_load(source, weights_only, remote.load), remote
+
+
+def _torch_load(path: Path, weights_only: bool, reader: Optional[Callable[[bool], Any]] = None) -> Any:
     try:
-        return load_file(path, allow_pickle=not weights_only)
+        return load_file(path, allow_pickle=not weights_only) if reader is None else reader(not weights_only)
     except (CheckpointError, OSError):  # damaged bytes (named by the reader), a missing file
         raise
     except Exception as err:

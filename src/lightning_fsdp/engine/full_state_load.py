@@ -128,7 +128,9 @@ def load_full_from_rank0(module: nn.Module, full: Optional[Mapping[str, Tensor]]
     q, k, v weights into one) sees them one at a time here; such a model loads with ``model.load_state_dict(full)``.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        return module.load_state_dict(dict(full or {}), strict=strict)
+        # Each value through `full[key]` (`dict(full)` would copy a dict subclass's values without it): a reader that
+        # checks or fetches a tensor as it is taken sees every one.
+        return module.load_state_dict({key: full[key] for key in (full or {})}, strict=strict)
     rank = dist.get_rank()
     # `.items()` of a dict subclass does not go through `__getitem__`: describing an entry reads none of its data.
     described = [(k, tuple(v.shape), v.dtype) for k, v in full.items() if isinstance(v, Tensor)] if full else []

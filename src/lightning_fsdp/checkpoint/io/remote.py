@@ -301,7 +301,9 @@ class FsspecStore:
         every rank writes them into a new "skeleton" folder, so the checks that read a folder work as for a local
         checkpoint, and the shard files stay in the bucket: :mod:`.remote_source` says where, and the load reads
         each rank's own byte ranges of them. One GET per small object in all, whatever the world size.
-        A full checkpoint, or ``whole=True`` (a local copy for inspect, convert and verify), is downloaded whole."""
+        A full checkpoint: nothing is fetched here; ``local`` is the file's place (never written), registered the
+        same way, and the one rank that reads the file reads it by ranges (:mod:`.remote_full`), the others nothing.
+        ``whole=True`` (a local copy for inspect, convert and verify) downloads every object."""
         from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects, registered
 
         target = self.target(path)
@@ -318,6 +320,8 @@ class FsspecStore:
                 raise FileNotFoundError(errno.ENOENT, f"{target!r} holds no committed checkpoint (no"
                                         f" {COMMIT_NAME} object there: nothing was saved, or the save did not finish)."
                                         " HINT: pass the URL a save wrote, or an earlier checkpoint.")
+            if not whole and record.get("kind") == "full":
+                return record, {}  # nothing fetched here: the reading rank reads the file by ranges (remote_full)
             # A sharded record naming no `.metadata` is no DCP checkpoint that ranges could be read from: fetched
             # whole, as before, so its load says what it is.
             if whole or record.get("kind") != "sharded" or ".metadata" not in record["objects"]:
