@@ -223,3 +223,31 @@ def test_clean_aborts_the_multipart_upload_a_dead_process_left(s3_server, monkey
     # (moto dates every multipart upload 2010-11-10, so its age cannot show that a young one is kept here.)
     clean(url, options, grace_s=0)
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool])
+def test_the_payload_start_found_from_the_zip_ends_is_where_the_tensor_bytes_are(dtype):
+    """What the writer finds from an item's first and last 64 KiB (it never holds the item whole) is where
+    `zipfile` says `data/0` starts, and the tensor's raw bytes are there."""
+    import io
+    import zipfile
+
+    import xxhash
+
+    from lightning_fsdp.checkpoint.integrity.streaming_write import _ItemTee, payload_start
+
+    for shape in [(1,), (3, 5, 7), (300, 257)]:
+        tensor = (torch.randn(shape) * 100).to(dtype)
+        out = io.BytesIO()
+        tee = _ItemTee(out, xxhash.xxh3_64())
+        torch.save(tensor, tee)
+        item = out.getvalue()
+        assert tee.size == len(item) and tee.hasher.intdigest() == xxhash.xxh3_64_intdigest(item)
+        size = tensor.numel() * tensor.element_size()
+        start = payload_start(tee.head, tee.tail, len(item), size)
+        with zipfile.ZipFile(io.BytesIO(item)) as archive:
+            record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+            assert archive.read(record) == item[start:start + size]
+        assert item[start:start + size] == tensor.view(torch.uint8).numpy().tobytes()
+        assert payload_start(tee.head, tee.tail, len(item), size + 1) is None  # not the tensor's size: read whole

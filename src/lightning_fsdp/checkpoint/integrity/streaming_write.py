@@ -13,9 +13,10 @@ file is closed (a dict for its safetensors format) and so holds a whole shard's 
 
 - resolve it, ``detach().cpu()``, and a contiguous clone only when its storage is larger than itself (FSDP2's padded
   shards), so the payload is exactly the tensor's bytes in row-major order;
-- ``torch.save`` it into a buffer of its own (memory: one item), find where the tensor's raw bytes start in that
-  zip (``data/0``'s local header, from the central directory), hash the item (its digest, seeded with the save id
-  as every item digest is) and the payload's blocks (``"payloads"`` below), write it to the object, drop it.
+- ``torch.save`` it straight into the object through a tee that hashes the item (its digest, seeded with the save id
+  as every item digest is) and keeps only the zip's first and last 64 KiB, where ``data/0``'s local header and the
+  central directory are: so where the tensor's raw bytes start is found without holding the item; the payload's
+  block digests (``"payloads"`` below) are taken from the tensor's own memory; then the item is dropped.
 
 ``checksums.json`` gains ``"payloads"``: ``[file, item_offset, payload_start, block_size, [d0, d1, ...]]`` per tensor
 item, ``d_i`` the seeded digest of payload bytes ``[i*block_size, min((i+1)*block_size, payload_len))``, so a load
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
-from lightning_fsdp.checkpoint.integrity.digests import ALGORITHMS
+from lightning_fsdp.checkpoint.integrity.digests import ALGORITHMS, storage_bytes
 from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
 
 __all__ = ["StreamingWriter", "payload_start", "block_size", "block_digests", "PAYLOADS_KEY"]
@@ -54,6 +55,7 @@ PAYLOADS_KEY = "payloads"
 _MIN_BLOCK, _MAX_BLOCK, _BLOCKS = 64 * 2**10, 16 * 2**20, 64
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header, 30 bytes
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+_ENDS = 64 * 2**10  # bytes kept of each item's start and end: its zip headers and central directory
 
 
 def block_size(payload_len: int) -> int:
@@ -74,29 +76,100 @@ def block_digests(payload: memoryview, size: int, new_hasher: Callable[[], Any])
     return out
 
 
-def payload_start(item: bytes | bytearray | memoryview, payload_len: int) -> Optional[int]:
-    """Where the tensor's raw bytes start in a ``torch.save`` zip of one tensor (``data/0``'s data), or None when the
-    zip does not say so plainly (another layout, compression, a size that is not the tensor's): that item is then
-    read whole."""
+def payload_start(head: Any, tail: Any, total: int, payload_len: int) -> Optional[int]:
+    """Where the tensor's raw bytes start in a ``torch.save`` zip of one tensor (``data/0``'s data), from the zip's
+    first bytes (``head``: its local headers) and last bytes (``tail``: the central directory) only, the item being
+    ``total`` bytes long; None when those do not say so plainly (another layout, compression, a size that is not the
+    tensor's, a directory longer than the tail): that item is then read whole."""
     try:
-        with zipfile.ZipFile(io.BytesIO(item)) as archive:
+        with zipfile.ZipFile(_Ends(bytes(head), bytes(tail), total)) as archive:
             records = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
             storages = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl")]
-    except (zipfile.BadZipFile, ValueError):
+    except (zipfile.BadZipFile, ValueError, EOFError, _Unknown):
         return None
     if len(records) != 1 or len(storages) != 1:
         return None
     record = records[0]
     if record.compress_type != zipfile.ZIP_STORED or record.file_size != payload_len:
         return None
-    header = bytes(item[record.header_offset:record.header_offset + _LOCAL_HEADER.size])
+    header = bytes(head[record.header_offset:record.header_offset + _LOCAL_HEADER.size])
     if len(header) != _LOCAL_HEADER.size:
         return None
     fields = _LOCAL_HEADER.unpack(header)
     if fields[0] != _LOCAL_SIGNATURE:
         return None
     start = record.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]  # + name length + extra length
-    return start if start + payload_len <= len(item) else None
+    return start if start + payload_len <= total else None
+
+
+class _Unknown(Exception):
+    """A read of bytes that were neither kept at the start nor at the end of the item."""
+
+
+class _Ends(io.RawIOBase):
+    """A file of ``total`` bytes of which only the first (``head``) and last (``tail``) are known: enough for
+    ``zipfile`` to read a zip's central directory, which sits at its end."""
+
+    def __init__(self, head: bytes, tail: bytes, total: int) -> None:
+        super().__init__()
+        self._head, self._tail, self._total, self._position = head, tail, total, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._position, 2: self._total}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._position
+        end = min(self._total, start + len(buffer))
+        tail_from = self._total - len(self._tail)
+        if end <= len(self._head):
+            data = self._head[start:end]
+        elif start >= tail_from:
+            data = self._tail[start - tail_from:end - tail_from]
+        else:
+            raise _Unknown()
+        buffer[:len(data)] = data
+        self._position = end
+        return len(data)
+
+
+class _ItemTee:
+    """What ``torch.save`` writes of one item: passed on to the object as it comes, hashed (the item digest), and
+    only its first and last ``_ENDS`` bytes kept (where the zip's headers and directory are)."""
+
+    def __init__(self, sink: Any, hasher: Any) -> None:
+        self._sink, self.hasher = sink, hasher
+        self.size = 0
+        self.head, self.tail = bytearray(), bytearray()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        self.hasher.update(view)
+        written = self._sink.write(view)
+        assert written == size
+        if len(self.head) < _ENDS:
+            self.head += view[:_ENDS - len(self.head)]
+        if size >= _ENDS:
+            self.tail = bytearray(view[size - _ENDS:])
+        else:
+            self.tail += view
+            del self.tail[:-_ENDS]
+        self.size += size
+        return size
+
+    def flush(self) -> None:
+        pass
 
 
 class StreamingWriter(ChecksumWriter):
@@ -137,30 +210,31 @@ class StreamingWriter(ChecksumWriter):
 
     def _write_item(self, sink: Any, name: str, item: Any, planner: Any, new_hasher: Callable[[], Any]) -> Any:
         offset = sink.tell()
+        hasher = new_hasher()
         payload: Optional[list] = None
         if item.type == WriteItemType.BYTE_IO:
-            data = planner.resolve_data(item)
-            view = data.getbuffer()
+            view = planner.resolve_data(item).getbuffer()
+            hasher.update(view)
+            sink.write(view)
+            length = len(view)
         else:
             tensor = planner.resolve_data(item).detach().cpu()
             if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() \
                     or not tensor.is_contiguous():
                 # Exactly the tensor's bytes, row-major: what ranged reads assume (one copy, of this item only).
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
-            buffer = io.BytesIO()
-            torch.save(tensor, buffer)
-            del tensor
-            view = buffer.getbuffer()
-            length = item.tensor_data.chunk.sizes.numel() * _element_size(item.tensor_data.properties.dtype)
-            start = payload_start(view, length) if length else None
+            # Straight into the object: the item is never copied whole; its block digests are taken from the
+            # tensor's own memory, which is the payload byte for byte.
+            tee = _ItemTee(sink, hasher)
+            torch.save(tensor, tee)
+            length = tee.size
+            size = tensor.numel() * tensor.element_size()
+            start = payload_start(tee.head, tee.tail, length, size) if size else None
             if start is not None:
-                size = block_size(length)
-                payload = [name, offset, start, size, block_digests(view[start:start + length], size, new_hasher)]
-        hasher = new_hasher()
-        hasher.update(view)
-        written = sink.write(view)
-        assert written == len(view)
-        length = len(view)
+                block = block_size(size)
+                payload = [name, offset, start, block,
+                           block_digests(storage_bytes(tensor.untyped_storage()), block, new_hasher)]
+            del tensor
         info = _StorageInfo(name, offset, length)
         return WriteResult(index=item.index, size_in_bytes=length, storage_data=(info, hasher.intdigest(), payload))
 
