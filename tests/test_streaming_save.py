@@ -251,3 +251,30 @@ def test_the_payload_start_found_from_the_zip_ends_is_where_the_tensor_bytes_are
             assert archive.read(record) == item[start:start + size]
         assert item[start:start + size] == tensor.view(torch.uint8).numpy().tobytes()
         assert payload_start(tee.head, tee.tail, len(item), size + 1) is None  # not the tensor's size: read whole
+
+
+@pytest.mark.single_process
+def test_a_listing_that_lags_behind_the_streamed_objects_does_not_fail_the_commit(s3_server, monkeypatch):
+    """The commit checks that every object it names is there with its size: what a lagging listing lacks is asked
+    for by name (HEAD), so a save is not failed by a listing; an object truly gone still fails it."""
+    from lightning_fsdp.checkpoint.io import remote_clean
+    from lightning_fsdp.checkpoint.io.urls import filesystem
+
+    bucket = s3_server.bucket()
+    fs = filesystem("s3://", {"endpoint_url": s3_server.endpoint, "key": "testing", "secret": "testing"})
+    target = f"s3://{bucket}/run/step-1"
+    fs.pipe_file(f"{target}/.aaaaaaaaaaaa/__0_0.distcp", b"x" * 10)
+    fs.pipe_file(f"{target}/.aaaaaaaaaaaa/__1_0.distcp", b"y" * 20)
+    listed = remote_clean.objects_under
+
+    def lagging(fs, prefix):  # the listing has not caught up with rank 1's object yet
+        found = listed(fs, prefix)
+        found.sizes = {k: v for k, v in found.sizes.items() if not k.endswith("__1_0.distcp")}
+        return found
+
+    monkeypatch.setattr(remote_clean, "objects_under", lagging)
+    remote_clean.check_uploaded(fs, target, "aaaaaaaaaaaa", {"__0_0.distcp": [10, None], "__1_0.distcp": [20, None]})
+    with pytest.raises(FileNotFoundError, match=r"1 of the 3 objects .* are gone or changed.*'__2_0.distcp'.*HINT"):
+        remote_clean.check_uploaded(fs, target, "aaaaaaaaaaaa", {"__0_0.distcp": [10, None],
+                                                                 "__1_0.distcp": [20, None],
+                                                                 "__2_0.distcp": [5, None]})

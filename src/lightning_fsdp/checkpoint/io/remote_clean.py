@@ -42,7 +42,7 @@ from typing import Any, Optional
 import xxhash
 
 from lightning_fsdp.checkpoint.io.remote_errors import damaged
-from lightning_fsdp.checkpoint.io.urls import join, split_url
+from lightning_fsdp.checkpoint.io.urls import fresh_info, join, split_url
 
 __all__ = ["TOKEN", "GRACE_S", "is_token", "Swept", "remove_token", "remove_rest", "sweep", "staging_root",
            "token_of_staging", "load_prefix", "remove_stale_staging", "objects_under", "check_uploaded",
@@ -285,6 +285,9 @@ def check_uploaded(fs: Any, target: str, token: str, objects: dict[str, list]) -
     prefix = join(target, "." + token)
     sizes = objects_under(fs, prefix).sizes
     wrong = [n for n, (size, _) in objects.items() if sizes.get(fs._strip_protocol(join(prefix, n))) != size]
+    # A listing may lag behind objects just completed (streamed saves complete theirs moments before the commit):
+    # what it lacks is asked for by name (a HEAD sees a completed object at once).
+    wrong = [n for n in wrong if (fresh_info(fs, join(prefix, n)) or {}).get("size") != objects[n][0]]
     if wrong:
         raise FileNotFoundError(errno.ENOENT, f"{len(wrong)} of the {len(objects)} objects this save uploaded to"
                                 f" {prefix!r} are gone or changed (e.g. {wrong[0]!r}) before its commit: something"
