@@ -264,13 +264,23 @@ def _size(text: str) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
+        store = store_for(args.path, _options(args))
+        # A URL is verified where it is, streamed (issue 43): damage is found before anything is copied, and the
+        # copy below is not verified again.
+        try:
+            streamed = store.verify(args.path) if args.verify and store.remote else None
+        except FileNotFoundError as err:
+            if err.filename is None:  # no checkpoint at that URL: input the user can fix, as for a missing path
+                err.cli_status = 2  # type: ignore[attr-defined]
+                raise
+            return _fail(f"{err.filename!r} is missing, though the checkpoint was saved with it. {_DAMAGED}", 1)
         with _readable(args.path, _options(args)) as local:
-            return _inspect_local(args, local)
+            return _inspect_local(args, local, streamed)
     except ChecksumError as err:  # an object that does not match its commit record: damaged, as a shard would be
         return _fail(str(err), 1 if args.verify else 2)
 
 
-def _inspect_local(args: argparse.Namespace, path: str) -> int:
+def _inspect_local(args: argparse.Namespace, path: str, streamed: Optional[bool] = None) -> int:
     try:
         source = open_checkpoint(path, allow_pickle=args.allow_pickle)
     except (UsageError, CheckpointError) as err:
@@ -288,7 +298,7 @@ def _inspect_local(args: argparse.Namespace, path: str) -> int:
     info["path"] = args.path if is_url(args.path) else info["path"]
     if args.verify:
         try:
-            info["checksums"] = "verified" if verify_checkpoint(path) else "none"
+            info["checksums"] = "verified" if (verify_checkpoint(path) if streamed is None else streamed) else "none"
         except ChecksumError as err:
             return _fail(_as_given(err, path, args.path), 1)
         except FileNotFoundError as err:  # a shard that `.metadata` names is gone: a failed verification too

@@ -28,6 +28,7 @@ from. The other ranks wait for rank 0's answer in one agreement, so they raise t
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import warnings
@@ -36,12 +37,17 @@ from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.formats.commit_order import order_key
 from lightning_fsdp.checkpoint.integrity.agreement import together
-from lightning_fsdp.checkpoint.io.remote_errors import TIMEOUT_VARIABLE, could_not_read, one_budget, store_timeout_s
+from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+from lightning_fsdp.checkpoint.integrity.stream_verify import entry_names
+from lightning_fsdp.checkpoint.io.remote_errors import (TIMEOUT_VARIABLE, could_not_read, one_budget, retrying,
+                                                        store_timeout_s)
+from lightning_fsdp.checkpoint.io.remote_windows import CommittedObjects
 from lightning_fsdp.checkpoint.io.store import Target, store_for
 
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
     "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories", "unread_directory",
+    "load_candidates", "fall_back", "Candidates",
 ]
 
 LATEST = "latest"
@@ -141,17 +147,37 @@ def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> Non
     """Record that the checkpoint at ``path``, as it is now, is good without reading it back: for the
     checkpoint this process has just committed (it was verified as it was written), so that retention right after
     its commit does not read it again."""
+    _learnt(path, None, storage_options)
+
+
+def _learnt(path: Union[str, Path], failure: Optional[BaseException], storage_options: Optional[dict]) -> None:
+    """Remember what this process found out about the checkpoint at ``path`` as it is now: good (``failure``
+    None), or damaged. Best effort: a store that does not answer now leaves nothing remembered."""
     store = store_for(path, storage_options)
     target = store.target(path)
     try:
         fingerprint = store.fingerprint(target)
-    except OSError:
+    except Exception:  # noqa: BLE001 - an OSError, or damage of the COMMIT itself: nothing to attach it to
         return
     with _KNOWN_LOCK:
         facts = _KNOWN.get(str(target))
         if facts is None or facts["fingerprint"] != fingerprint:
             facts = _KNOWN[str(target)] = {"fingerprint": fingerprint}
-        facts["failure"] = None
+        facts["failure"] = failure
+
+
+_UNKNOWN = object()
+
+
+def _known_failure(path: Target, storage_options: Optional[dict]) -> Any:
+    """What this process remembers of the checkpoint's verification (None: good, an error: damaged), without
+    reading it: ``_UNKNOWN`` when nothing is remembered of it as it is now. One COMMIT read for a URL."""
+    fingerprint = store_for(path, storage_options).fingerprint(path)
+    with _KNOWN_LOCK:
+        facts = _KNOWN.get(str(path))
+        if facts is not None and facts["fingerprint"] == fingerprint and "failure" in facts:
+            return facts["failure"]
+    return _UNKNOWN
 
 
 # The directories whose search for the newest good checkpoint could not read their store, in this process: what is
@@ -196,12 +222,7 @@ def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optiona
             for candidate in reversed(step_checkpoints(directory, storage_options)):
                 err = verification_failure(candidate, storage_options)
                 if err is not None:
-                    warnings.warn(
-                        f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}:"
-                        f" {err}). Resuming from the one committed before it. HINT: delete or move it once you have"
-                        " looked at it.",
-                        stacklevel=2,
-                    )
+                    _warn_skipped(candidate, err)
                     continue
                 break
             else:
@@ -213,6 +234,14 @@ def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optiona
     with _KNOWN_LOCK:
         _UNREAD.pop(key, None)
     return candidate
+
+
+def _warn_skipped(candidate: Target, err: BaseException) -> None:
+    warnings.warn(
+        f"Skipping the checkpoint {str(candidate)!r}: it fails verification ({type(err).__name__}: {err}). Resuming"
+        " from the one committed before it. HINT: delete or move it once you have looked at it.",
+        stacklevel=3,
+    )
 
 
 def _unread(directory: str, candidate: Optional[Target], err: BaseException) -> BaseException:
@@ -242,21 +271,30 @@ def find_newest_on_rank_zero(directory: Union[str, Path], comm, storage_options:
     error, too, is raised on every rank: the others wait in one agreement while rank 0 searches, and rank 0's search
     fails within the store's bound when the store does not answer, so no rank waits into the process group's
     timeout. ``check_first``: a path returned as it is when it exists (``<dir>/latest`` written by the user)."""
+    def search() -> Optional[str]:
+        found = newest_good_checkpoint(directory, storage_options)
+        return None if found is None else str(found)
+
+    return _on_rank_zero(directory, comm, storage_options, check_first, search, lambda found: str(found))
+
+
+def _on_rank_zero(directory: Union[str, Path], comm, storage_options: Optional[dict], check_first: Optional[Target],
+                  search: Any, as_found: Any) -> Any:
+    """``search()`` on rank 0 (or ``as_found(check_first)`` when that exists), agreed and broadcast."""
     store = store_for(directory, storage_options)
 
-    def find() -> Optional[str]:
+    def find() -> Any:
         if comm.global_rank != 0:
             return None
         if check_first is not None:
             try:
                 if store.exists(check_first):
-                    return str(check_first)
+                    return as_found(check_first)
             except Exception as err:  # noqa: BLE001 - as the search's own failures
                 if not could_not_read(err):
                     raise
                 raise _unread(str(directory), None, err) from err
-        found = newest_good_checkpoint(directory, storage_options)
-        return None if found is None else str(found)
+        return search()
 
     mine = together(comm, f"Finding the newest good checkpoint in {str(directory)!r}", find)
     return comm.broadcast(mine)
@@ -273,10 +311,132 @@ def resolve_latest(path: Union[str, Path], comm, storage_options: Optional[dict]
     directory = store.parent(path)
     found = find_newest_on_rank_zero(directory, comm, storage_options, check_first=path)
     if found is None:
-        raise FileNotFoundError(
-            f"No complete checkpoint to resume from in {str(directory)!r} (asked for {str(path)!r}): it holds no"
-            " checkpoint whose name ends in a step number, or none passes verification. HINT: save into that"
-            " directory with step numbers in the names, like `fabric.save(f'{dir}/step-{step:08d}', state)`, or start"
-            " from scratch when nothing is there yet (`StepCheckpoints.resume` returns None then)."
-        )
+        raise _none_to_resume(directory, path)
     return store.target(found)
+
+
+def _none_to_resume(directory: Target, path: Target) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"No complete checkpoint to resume from in {str(directory)!r} (asked for {str(path)!r}): it holds no"
+        " checkpoint whose name ends in a step number, or none passes verification. HINT: save into that"
+        " directory with step numbers in the names, like `fabric.save(f'{dir}/step-{step:08d}', state)`, or start"
+        " from scratch when nothing is there yet (`StepCheckpoints.resume` returns None then)."
+    )
+
+
+# --- `<dir>/latest` for a load from object storage: verified by the load itself (issue 43) ---------------------------
+
+
+def load_candidates(path: Union[str, Path], comm, storage_options: Optional[dict] = None) -> list[Target]:
+    """What a load of ``path`` tries, in order, the same on every rank: ``[path]`` itself, unless it is
+    ``<dir>/latest`` and no such entry exists. Then, for a directory on the local disk, the newest good checkpoint
+    there (:func:`resolve_latest`: verified before the load, as always); for a directory of object storage, every
+    committed step checkpoint there, newest (by commit) first, found from their COMMITs alone, less those this process
+    already knows to be damaged. None of those is read first: verifying the newest and then loading it would move its
+    bytes twice. The load verifies every item it reads, and damage found there makes it go on to the next one
+    (:func:`fall_back`), so ``latest`` is still the newest checkpoint that verifies."""
+    store = store_for(path, storage_options)
+    path = store.target(path)
+    if store.name(path) != LATEST:
+        return Candidates([path])
+    if not store.remote:
+        return Candidates([resolve_latest(path, comm, storage_options)])
+    directory = store.parent(path)
+    found = _on_rank_zero(directory, comm, storage_options, path, lambda: _newest_first(directory, storage_options),
+                          lambda found: None)
+    if found is None:  # `<dir>/latest` itself is a checkpoint
+        return Candidates([path])
+    if not found:
+        raise _none_to_resume(directory, path)
+    return Candidates([store.target(entry) for entry in found], latest=path)
+
+
+class Candidates(list):
+    """The checkpoints a load tries, in order; ``latest``: the ``<dir>/latest`` they stand for (None: a path)."""
+
+    def __init__(self, entries: list[Target], latest: Optional[Target] = None) -> None:
+        super().__init__(entries)
+        self.latest = latest
+
+
+def _newest_first(directory: Target, storage_options: Optional[dict]) -> list[str]:
+    """The committed step checkpoints in ``directory``, newest first, skipping (with the warning) those known to be
+    damaged until the first one not known so; a store that cannot be read fails as :func:`newest_good_checkpoint`
+    does, and turns retention there off."""
+    key, candidate, found = _directory_key(directory, storage_options), None, []
+    try:
+        with one_budget():
+            for candidate in reversed(step_checkpoints(directory, storage_options)):
+                if not found:
+                    failure = _known_failure(candidate, storage_options)
+                    if failure is not _UNKNOWN and failure is not None:
+                        _warn_skipped(candidate, failure)
+                        continue
+                found.append(str(candidate))
+    except Exception as err:  # noqa: BLE001 - a failed read of the store is raised as such; damage goes on up
+        if not could_not_read(err):
+            raise
+        raise _unread(key, candidate, err) from err
+    with _KNOWN_LOCK:
+        _UNREAD.pop(key, None)
+    return found
+
+
+def fall_back(candidates: list[Target], err: BaseException, comm, storage_options: Optional[dict] = None) -> Target:
+    """After the load of ``candidates[0]`` (from :func:`load_candidates`) failed on every rank with ``err``: the next
+    candidate to load (the failed one is removed from the front of the list), or ``err`` raised again.
+
+    Only the candidates of ``<dir>/latest`` fall back, and only for damage (a :class:`ChecksumError`, never a store
+    that could not be read): the damaged one is warned about (rank 0) and remembered in this process; when none is
+    left, the error is the one of a ``latest`` with no checkpoint that verifies (``FileNotFoundError``). The failed attempt
+    may have written part of the damaged checkpoint into the live tensors already, so the next one is taken only when
+    it holds every tensor entry the damaged one holds (their ``.metadata``, or their zip index: no tensor is read);
+    otherwise the damage is raised with a HINT to load a checkpoint by its path."""
+    latest = getattr(candidates, "latest", None)
+    if latest is None or not isinstance(err, ChecksumError) or could_not_read(err):
+        raise err
+    failed = candidates.pop(0)
+    directory = store_for(failed, storage_options).parent(failed)
+    if comm.global_rank == 0:
+        _warn_skipped(failed, err)
+        _learnt(failed, err, storage_options)
+    if not candidates:  # every one is damaged: as when the search before a load found none that verifies
+        raise _none_to_resume(directory, latest) from err
+
+    def check() -> list[str]:
+        if comm.global_rank != 0:
+            return []
+        with one_budget():
+            needed = _entries(failed, storage_options)
+            held = _entries(candidates[0], storage_options) if needed else None
+        # Unreadable entries of the damaged one: its load stopped before it wrote any tensor. Of the next one: its
+        # load stops so too, and is damage in turn.
+        return [] if needed is None or held is None else sorted(needed - held)
+
+    missing = comm.broadcast(together(comm, f"Falling back from the damaged checkpoint {str(failed)!r}", check))
+    if missing:
+        raise ChecksumError(
+            f"The newest checkpoint in {str(directory)!r}, {str(failed)!r}, is damaged ({err}), found while loading it"
+            f" for `latest`; the one committed before it, {str(candidates[0])!r}, lacks entries the failed load may"
+            f" already have written into the state ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}),"
+            " so falling back to it would leave damaged values there. HINT: load a checkpoint by its path, e.g."
+            f" {str(candidates[0])!r}, into a freshly built model and optimizer; and delete or move the damaged one."
+        ) from err
+    return candidates[0]
+
+
+def _entries(path: Target, storage_options: Optional[dict]) -> Optional[set[str]]:
+    """The tensor entries the committed checkpoint at ``path`` holds, from its small records alone; None when they
+    cannot be read as a load would (damaged)."""
+    store = store_for(path, storage_options)
+    target = str(store.target(path))
+    try:
+        record = store.read_commit(target)
+    except ChecksumError:
+        return None
+    if record is None:
+        return None
+    objects = CommittedObjects(store.fs, target, record, retry=lambda step: retrying(store.fs, target, "reading", step))
+    with contextlib.suppress(ChecksumError):
+        return entry_names(objects)
+    return None

@@ -38,7 +38,7 @@ from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     remap_requested_keys,
 )
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
-from lightning_fsdp.checkpoint.integrity.digests import note_unverified
+from lightning_fsdp.checkpoint.integrity.digests import ChecksumError, note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
@@ -47,7 +47,7 @@ from lightning_fsdp.checkpoint.io.remote_full import RemoteFullFile
 from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
 from lightning_fsdp.checkpoint.io.store import store_for
-from lightning_fsdp.checkpoint.latest import resolve_latest
+from lightning_fsdp.checkpoint.latest import fall_back, load_candidates
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 from lightning_fsdp.engine.full_state_load import has_own_load_hooks, load_full_from_rank0
 
@@ -70,14 +70,20 @@ def load_checkpoint(
     others as a ``CollectiveFailure``, like everywhere else.
     """
     with comm.guard(f"loading the checkpoint {str(path)!r}"):
-        path = resolve_latest(path, comm, storage_options)  # `<dir>/latest`: the newest good step checkpoint there
+        # `<dir>/latest`: the step checkpoints there, newest first; the load verifies what it reads (issue 43).
+        candidates = load_candidates(path, comm, storage_options)
+        path = candidates[0]
         if isinstance(state, Module) and hf.is_hf_checkpoint(path, storage_options):
             # Hugging Face weights (`load_raw`), local or at a URL: plain files, read in place (by ranges at a URL),
             # never through a commit (they were not written by a save).
             hf.load_pretrained_weights(path, state, strict=strict, comm=comm, storage_options=storage_options)
             return {}
-        with store_for(path, storage_options).open_committed(path, comm) as source:
-            return _load(source, state, strict, weights_only, comm)
+        while True:
+            try:
+                with store_for(path, storage_options).open_committed(path, comm) as source:
+                    return _load(source, state, strict, weights_only, comm)
+            except ChecksumError as err:  # damage, on every rank alike: `latest` goes on to the one before it
+                path = fall_back(candidates, err, comm, storage_options)
 
 
 def _load(
