@@ -20,6 +20,10 @@ import pytest
 
 from launch import launch
 
+# Four and eight ranks keep both cores busy throughout (LFSDP_TEST_TIMELINE: 85-90 %); the whole file, since its
+# launches are module fixtures that its tests share.
+pytestmark = pytest.mark.fills_both_cores
+
 FIRST = [
     "sharded_save_at_world_4_streams_each_rank_s_own_file",
     "sharded_load_4_to_4_reads_only_each_rank_s_share",
