@@ -77,6 +77,8 @@ class Ledger:
         self.app = app
         self.lock = threading.Lock()
         self.counts: dict[str, dict[str, int]] = {}
+        log = os.environ.get("BENCH_LEDGER_LOG")
+        self.log = open(log, "a", buffering=1) if log else None
 
     def _add(self, key: str, field: str, n: int) -> None:
         with self.lock:
@@ -93,6 +95,9 @@ class Ledger:
         key = auth.split("Credential=", 1)[1].split("/", 1)[0] if "Credential=" in auth else "anonymous"
         self._add(key, "requests", 1)
         self._add(key, environ.get("REQUEST_METHOD", "?"), 1)
+        if self.log is not None:  # BENCH_LEDGER_LOG: one line per request, to see what a side asked for
+            self.log.write(f"{time.time():.3f} {key} {environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')}"
+                           f"?{environ.get('QUERY_STRING', '')} {environ.get('HTTP_RANGE', '-')}\n")
         environ["wsgi.input"] = _CountingInput(environ["wsgi.input"], lambda n: self._add(key, "in", n))
         return self._counted(key, self.app(environ, start_response))
 
