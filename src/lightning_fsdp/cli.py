@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import sys
-import uuid
 import zipfile
 from typing import Any, Callable, Iterator, Optional
 
@@ -52,7 +51,7 @@ from lightning_fsdp.checkpoint.convert import (
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
-from lightning_fsdp.checkpoint.io.store import OneProcess, is_url, store_for
+from lightning_fsdp.checkpoint.io.store import store_for
 from lightning_fsdp.planner.command import add_plan_command
 
 __all__ = ["main"]
@@ -236,11 +235,8 @@ def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
     """A local path to read the checkpoint at ``path`` from, for the time of the block: a local path as given (so the
     command reads exactly what the user named), or for a URL the committed checkpoint, fetched and size- and
     digest-checked by its store. A URL never becomes a ``Path``: that would fold ``s3://`` into ``s3:/``."""
-    if not is_url(path):
-        yield path
-        return
     try:
-        opened = store_for(path, options).open_committed(path, OneProcess())
+        opened = store_for(path, options).local_copy(path)  # a local path: itself; a URL: every object, fetched
         local = opened.__enter__()
     except FileNotFoundError as err:
         if err.errno is not None:  # no checkpoint at that URL (the store's message names it and the fix): input the
@@ -295,7 +291,7 @@ def _inspect_local(args: argparse.Namespace, path: str, streamed: Optional[bool]
                          f" (truncated). {_DAMAGED}", 1)
         raise
     info = describe(source, tensors=args.tensors)
-    info["path"] = args.path if is_url(args.path) else info["path"]
+    info["path"] = info["path"] if path == args.path else args.path  # a URL, not the local copy read from it
     if args.verify:
         try:
             info["checksums"] = "verified" if (verify_checkpoint(path) if streamed is None else streamed) else "none"
@@ -329,41 +325,10 @@ def _convert(args: argparse.Namespace) -> int:
     with _readable(args.src, _options(args)) as local:
         # The order is read where the source is (a URL's COMMIT), not from the local copy of its objects.
         order = None if args.to == "safetensors" else source_commit_order(args.src, _options(args))
-        if not is_url(args.dst):
-            return _convert_local(args, local, args.dst, commit_order=order)
-        return _convert_to_url(args, local, order)
-
-
-def _convert_to_url(args: argparse.Namespace, source: str, order: Optional[int]) -> int:
-    """Convert into a local staging copy, then hand it to DST's store: full and sharded checkpoints commit there as a
-    save does (whole or not at all; an existing one stays until the new one commits), recording the source's commit
-    order; a safetensors export is plain objects, as Hugging Face's loaders read them, its entry point written last
-    (:mod:`lightning_fsdp.checkpoint.convert`)."""
-    options = _options(args)
-    store = store_for(args.dst, options)
-    target = store.target(args.dst)
-    comm = OneProcess()
-    if args.to == "safetensors":
-        return _export_to_url(args, source, target, options)
-    store.check_target(target, 0)  # a missing bucket, or objects no save wrote, refused before any work
-    if store.exists(target) and not args.overwrite:
-        raise UsageError(f"DST {target!r} already exists. HINT: pass --overwrite to replace it (it stays until the"
-                         " new checkpoint commits), or choose another DST.")
-    staged = store.staging(target, uuid.uuid4().hex[:16], 0)
-    try:
-        _convert_local(args, source, str(staged), report=False, commit_order=order)
-    except BaseException:
-        store.discard(staged, 0)
-        raise
-    store.commit(staged, target, comm, commit_order=order)  # removes the staged copy, committed or not
-    print(f"wrote {target} ({args.to})")
-    return 0
-
-
-def _export_to_url(args: argparse.Namespace, source: str, target: str, options: Optional[dict[str, Any]]) -> int:
-    _convert_local(args, source, target, report=False, commit_order=None, storage_options=options)
-    print(f"wrote {target} ({args.to})")
-    return 0
+        # DST's store takes the result: a local rename, or a URL's commit (whole or not at all; an existing checkpoint
+        # stays until the new one commits) recording the source's commit order; a safetensors export to a URL is
+        # plain objects, its entry point written last (:mod:`lightning_fsdp.checkpoint.convert`).
+        return _convert_local(args, local, args.dst, commit_order=order, storage_options=_options(args))
 
 
 def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = True, *, commit_order: Optional[int],
@@ -393,15 +358,10 @@ def _convert_local(args: argparse.Namespace, src: str, dst: str, report: bool = 
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from lightning_fsdp.checkpoint.io.remote import clean
     from lightning_fsdp.checkpoint.io.remote_clean import remove_stale_staging
 
-    if not is_url(args.url):
-        raise UsageError(f"`clean` takes a checkpoint URL, got {args.url!r}. HINT: e.g. `{PROG} clean"
-                         " s3://bucket/run/step-3`; a local save leaves nothing to clean (its staging copy is"
-                         " removed by the next save).")
     try:
-        removed = clean(args.url, _options(args), grace_s=args.grace)
+        removed = store_for(args.url, _options(args)).clean(args.url, grace_s=args.grace)  # a local path: UsageError
     except FileNotFoundError as err:
         if err.errno is not None:  # a missing bucket: input the user can fix, status 2 as for a missing path
             err.cli_status = 2  # type: ignore[attr-defined]

@@ -53,7 +53,6 @@ from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     id_keyed_optimizer_state,
 )
 from lightning_fsdp.checkpoint.io.store import store_for
-from lightning_fsdp.checkpoint.io.urls import is_url
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.checkpoint.state import holds_dtensors
 from lightning_fsdp.engine.config import FSDPConfig
@@ -365,10 +364,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         # a background save is not written yet then, so the removal waits for its commit (see `checkpoint.in_flight`).
         if not self.is_global_zero:
             return
-        if not is_url(filepath):
-            self._background_saves.remove(Path(filepath))
-            return
-        # A URL is removed through a store with the strategy's `storage_options`, as it was saved (`remove` alone
-        # would build one from the environment, which may hold no credentials or another endpoint).
-        url, store = str(filepath), store_for(str(filepath), self._storage_options(None))
-        self._background_saves.after_commit(lambda: store.remove(url), f"Removing the superseded checkpoint {url!r}")
+        # Through the store with the strategy's `storage_options`, as the checkpoint was saved (one built from the
+        # environment alone may hold no credentials, or another endpoint).
+        store = store_for(filepath, self._storage_options(None))
+        self._background_saves.remove(store.target(filepath), store)

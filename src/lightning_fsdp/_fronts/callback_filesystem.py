@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_fsdp._fronts.mixin import FrontMixin
 from lightning_fsdp._fronts.patching import wrap_once
-from lightning_fsdp.checkpoint.io.urls import is_url
+from lightning_fsdp.checkpoint.io.store import store_for
 
 __all__ = ["register"]
 
@@ -34,7 +34,8 @@ def register() -> None:
             plain = model_checkpoint.get_filesystem
 
             def get_filesystem(path: Any, **kwargs: Any) -> Any:
-                return plain(path, **({**options, **kwargs} if is_url(str(path)) else kwargs))
+                # Options are for a remote store's filesystem: Lightning's local one takes none.
+                return plain(path, **({**options, **kwargs} if store_for(str(path)).remote else kwargs))
 
             # Swapped for this call only, in the thread that runs the Trainer's hooks; `finally` restores it.
             model_checkpoint.get_filesystem = get_filesystem

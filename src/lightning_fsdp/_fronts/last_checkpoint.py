@@ -20,7 +20,7 @@ from lightning_fsdp._base.compat import TRAINER_CKPT_PATH_PARSE, trainer_checkpo
 from lightning_fsdp._fronts.mixin import FrontMixin
 from lightning_fsdp._fronts.patching import wrap_once
 from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value
-from lightning_fsdp.checkpoint.io.store import is_url, store_for
+from lightning_fsdp.checkpoint.io.store import store_for
 
 __all__ = ["register", "newest_last_in_stores"]
 
@@ -51,9 +51,10 @@ def newest_last_in_stores(trainer: Any) -> Optional[str]:
     newest: Optional[tuple[int, str]] = None
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
-        if dirpath is None or not is_url(str(dirpath)):
+        store = None if dirpath is None else store_for(str(dirpath), options)
+        if store is None or not store.remote:  # Lightning resolves `last` in a local directory itself
             continue
-        for name, path, record in store_for(str(dirpath), options).checkpoints_in(str(dirpath)):
+        for name, path, record in store.checkpoints_in(str(dirpath)):
             if _LAST_NAME.match(name):
                 order = commit_order_value(record) or 0
                 if newest is None or order > newest[0]:

@@ -57,8 +57,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lightning_fsdp.checkpoint.integrity.zipfiles import verify_zip
-from lightning_fsdp.checkpoint.io.store import OneProcess, Target, is_url, store_for
-from lightning_fsdp.checkpoint.io.urls import filesystem, join
+from lightning_fsdp.checkpoint.io.store import OneProcess, Target, store_for
+from lightning_fsdp.checkpoint.io.urls import join
 from lightning_fsdp.checkpoint.io.readers import Checkpoint, TensorEntry, UsageError, _reading, open_checkpoint
 from lightning_fsdp.checkpoint.io.writers import (
     SAFETENSORS_FILENAME,
@@ -207,7 +207,7 @@ def convert(
         others = " or ".join(f"`--to {f}`" for f in FORMATS if f != to)
         raise UsageError(f"{str(checkpoint.path)!r} is already a {to} checkpoint, so there is nothing to convert."
                          f" HINT: choose {others}.")
-    exporting_to_url = to == "safetensors" and is_url(target)
+    exporting_to_url = to == "safetensors" and store.remote  # plain objects, no commit (see the module's docstring)
     if not exporting_to_url:
         _check_destination(checkpoint.path, target, overwrite, to, store)
     if checkpoint.format == "full":
@@ -230,7 +230,7 @@ def convert(
             strip_prefix=prefix,
         )
         if exporting_to_url:
-            _export_to_url(str(target), writer, filesystem(str(target), storage_options), overwrite=overwrite)
+            _export_to_url(str(target), writer, store.fs, overwrite=overwrite)
             return target
     _write_atomically(target, writer, store, commit_order)
     return target
@@ -275,12 +275,11 @@ def _write_atomically(target: Target, write: Callable[[Path], None], store: Any,
     if not store.exists(target):
         store.check_target(target, 0)  # creates the folder a local target goes into; a bucket must exist
     staged = store.staging(target, uuid.uuid4().hex[:12], 0)
-    # A remote store records the order in its COMMIT too; a local checkpoint records it in its files alone.
-    ordered = {"commit_order": commit_order} if getattr(store, "remote", False) else {}
     try:
         write(staged)
         store.flush(staged)
-        store.commit(staged, target, OneProcess(), **ordered)
+        # A remote store records the order in its COMMIT too; a local checkpoint records it in its files alone.
+        store.commit(staged, target, OneProcess(), commit_order=commit_order)
     except BaseException:
         store.discard(staged, 0)
         raise

@@ -41,6 +41,7 @@ from lightning_fsdp.checkpoint.integrity.stream_verify import verify_objects
 from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_of
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io import remote_clean, remote_download, remote_upload
+from lightning_fsdp.checkpoint.io.remote_ops import RemoteOps
 from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
                                                        remove_token, staging_root, token_of_staging)
 from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, one_budget, retrying
@@ -51,7 +52,7 @@ __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
 
 
-class FsspecStore:
+class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Store interface, and `clean`
     remote = True
 
     def __init__(self, protocol: str, storage_options: Optional[dict[str, Any]]) -> None:
@@ -429,25 +430,7 @@ def clean(url: str, storage_options: Optional[dict[str, Any]] = None, grace_s: O
     :data:`.remote_clean.GRACE_S`) by the store's clock, with their incomplete multipart uploads. The committed
     checkpoint, younger tokens (a save may still be uploading) and every object no save of this project wrote stay.
     Returns what was removed (``.kept``: the younger tokens; ``.found``: whether any token was there)."""
-    store = FsspecStore(split_url(url)[0], storage_options)
-    target = store.target(url)
-    grace = remote_clean.GRACE_S if grace_s is None else float(grace_s)
-
-    def run() -> Swept:
-        missing = store._missing_bucket(target)
-        if missing is not None:
-            raise missing
-        try:
-            record = store.read_commit(target)
-        except (CheckpointError, ValueError) as err:
-            why = getattr(err.__cause__, "why", None) or str(err)
-            raise type(err)(f"The COMMIT of {target!r} cannot be read ({why}), so `clean` cannot tell the committed"
-                            " save's objects from leftovers, and removed nothing. HINT: save to that URL again (a save"
-                            " replaces its COMMIT), or remove the checkpoint yourself.") from err
-        swept = remote_clean.sweep(store.fs, target, None if record is None else record["token"], grace)
-        swept.checkpoint = record is not None
-        return swept
-    return store._retrying(target, "cleaning", run)
+    return FsspecStore(split_url(url)[0], storage_options).clean(url, grace_s)  # the Store method: remote_ops.py
 
 
 def _leaf(listed: str) -> str:

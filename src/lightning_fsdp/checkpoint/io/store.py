@@ -11,6 +11,11 @@ no code above this module asks whether a path is remote. The seam keeps every fo
   the path itself; remote: the objects its commit names, fetched and size-checked, removed after the load).
 
 The integrity checks run on what ``open_committed`` gives, so they are the same on every store.
+
+Plain files beside checkpoints (Hugging Face weights, read by ranges) go through the same interface: ``listing``,
+``size``, ``read`` and ``read_ranges`` (one request each on a remote store: one LIST, one HEAD, one GET, several GETs
+in flight), and ``index_entries`` (the files an index names, each checked to stay inside its directory). Only
+:func:`store_for` asks whether a path is a URL.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import os
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol, Union
+from typing import Any, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
+from lightning_fsdp.checkpoint.formats import hf_checks
 from lightning_fsdp.checkpoint.formats.commit_order import commit_order_value
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, is_full_checkpoint, is_sharded_checkpoint
 from lightning_fsdp.checkpoint.integrity.digests import ZIP_CHECKSUMS_RECORD
@@ -30,15 +36,18 @@ from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.integrity.agreement import Communicator, together
 from lightning_fsdp.checkpoint.io import atomic, in_flight
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
+from lightning_fsdp.checkpoint.io.readers import UsageError
 from lightning_fsdp.checkpoint.io.urls import check_storage_options, is_url, local_path
 
-__all__ = ["Store", "LocalStore", "OneProcess", "store_for", "is_url", "Target"]
+__all__ = ["Store", "LocalStore", "OneProcess", "store_for", "Target"]
 
 Target = Union[Path, str]  # a local Path, or a URL string (never a Path: it would fold "s3://" into "s3:/")
 
 
 class Store(Protocol):
     """What the checkpoint operations need from a place that keeps checkpoints."""
+
+    remote: bool  # False for the local disk: Lightning's own code handles its paths (``last``, ``ModelCheckpoint``)
 
     def target(self, path: Union[str, Path]) -> Target:
         """The normalized checkpoint path a save writes to (a link is replaced, not followed; see ``atomic``)."""
@@ -91,6 +100,27 @@ class Store(Protocol):
         """In this process alone: a local path to read the committed checkpoint at ``path`` from (a local path is
         itself, as given; a URL's objects are fetched and checked, and removed after the block)."""
 
+    def clean(self, path: Target, grace_s: Optional[float] = None) -> Any:
+        """Remove what saves that never committed left at ``path`` (``lightning-fsdp clean``)."""
+
+    # --- plain files (Hugging Face weights), read in place -------------------------------------------------------
+
+    def listing(self, directory: Target) -> Optional[dict[str, int]]:
+        """The files directly in ``directory``, name -> size; None when it is no directory (absent, or a file)."""
+
+    def size(self, path: Target) -> Optional[int]:
+        """The size of the file at ``path``; None when there is none."""
+
+    def read(self, path: Target, start: int = 0, end: Optional[int] = None) -> bytes:
+        """Bytes ``[start, end)`` of the file at ``path`` (``end=None``: to its end), in one request."""
+
+    def read_ranges(self, paths: Sequence[Target], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        """Several ranges, as :meth:`read` reads one; a remote store keeps them in flight together."""
+
+    def index_entries(self, directory: Target, index: Target, weight_map: Mapping[str, Any]) -> list[Target]:
+        """The files an index at ``index`` names (``weight_map``: tensor -> file name relative to ``directory``),
+        each checked to stay inside ``directory``; sorted, each once. ``ValueError`` names the entries that do not."""
+
 
 class LocalStore:
     """Today's local behaviour, byte for byte: staging beside the target, one rename (``atomic``)."""
@@ -112,7 +142,8 @@ class LocalStore:
     def flush(self, staged: Path) -> None:
         atomic.fsync_tree(staged)
 
-    def commit(self, staged: Target, target: Target, comm: Communicator) -> None:
+    def commit(self, staged: Target, target: Target, comm: Communicator, commit_order: Any = None) -> None:
+        # `commit_order`: a local checkpoint records it in its own files alone (the writers put it there).
         # Rank 0 alone moves the checkpoint into place; its failure is agreed, so no rank returns as if saved.
         together(comm, f"Moving the checkpoint into place at {str(target)!r}",
                  lambda: atomic.commit(Path(staged), Path(target)) if comm.global_rank == 0 else None)
@@ -200,6 +231,33 @@ class LocalStore:
     @contextlib.contextmanager
     def local_copy(self, path: Union[str, Path]) -> Iterator[Path]:
         yield local_path(path)
+
+    def clean(self, path: Target, grace_s: Optional[float] = None) -> Any:
+        raise UsageError(f"`clean` takes a checkpoint URL, got {str(path)!r}. HINT: e.g. `lightning-fsdp clean"
+                         " s3://bucket/run/step-3`; a local save leaves nothing to clean (its staging copy is"
+                         " removed by the next save).")
+
+    def listing(self, directory: Target) -> Optional[dict[str, int]]:
+        directory = local_path(directory)
+        if not directory.is_dir():
+            return None
+        return {entry.name: entry.stat().st_size for entry in directory.iterdir() if entry.is_file()}
+
+    def size(self, path: Target) -> Optional[int]:
+        path = local_path(path)
+        return path.stat().st_size if path.is_file() else None
+
+    def read(self, path: Target, start: int = 0, end: Optional[int] = None) -> bytes:
+        with open(local_path(path), "rb") as file:
+            file.seek(start)
+            return file.read(-1 if end is None else max(0, end - start))
+
+    def read_ranges(self, paths: Sequence[Target], starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        return [self.read(path, start, end) for path, start, end in zip(paths, starts, ends)]
+
+    def index_entries(self, directory: Target, index: Target, weight_map: Mapping[str, Any]) -> list[Target]:
+        # Also after symlinks (a Hugging Face hub snapshot's links into its own blobs excepted): `hf_checks`.
+        return list(hf_checks.index_files(local_path(directory), local_path(index), weight_map))
 
 
 _LOCAL = LocalStore()
