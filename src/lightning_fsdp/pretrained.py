@@ -58,14 +58,15 @@ def load_pretrained(module: Module, path: Union[str, Path], *, strict: bool = Tr
             " model the weights belong to, e.g. `load_pretrained(self.model, path)`."
         )
     storage_options = check_storage_options(storage_options)
-    if not is_hf_checkpoint(path, storage_options):
+    comm = _DefaultGroup()
+    if not is_hf_checkpoint(path, storage_options, comm=comm):  # rank 0 asks the store; every rank gets the answer
         raise ValueError(
             f"`load_pretrained(path={str(path)!r})` is not Hugging Face safetensors weights. Allowed: a"
             " '.safetensors' file, or a directory with 'model.safetensors.index.json' or 'model.safetensors'."
             " HINT: pass the directory `save_pretrained` wrote; for a lightning-fsdp checkpoint use `fabric.load`"
             " or the Trainer's `ckpt_path`."
         )
-    return load_pretrained_weights(path, module, strict=strict, comm=_DefaultGroup(), storage_options=storage_options)
+    return load_pretrained_weights(path, module, strict=strict, comm=comm, storage_options=storage_options)
 
 
 class _DefaultGroup:

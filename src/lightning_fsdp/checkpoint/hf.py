@@ -42,9 +42,10 @@ from torch.futures import Future
 from torch.nn import Module
 
 from lightning_fsdp.checkpoint.formats import hf_checks
-from lightning_fsdp.checkpoint.formats.safetensors_stream import DTYPE_NAMES, RangedFile
+from lightning_fsdp.checkpoint.formats.safetensors_stream import RangedFile
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
-from lightning_fsdp.checkpoint.io.urls import filesystem, is_url, join
+from lightning_fsdp.checkpoint.io.store import store_for
+from lightning_fsdp.checkpoint.io.transfers import transfers
 
 __all__ = ["LoadReport", "is_hf_checkpoint", "safetensors_files", "load_pretrained_weights"]
 
@@ -54,7 +55,6 @@ _SUFFIX = ".safetensors"
 # Module wrappers that add a segment to parameter names but not to state-dict keys (activation checkpointing,
 # torch.compile); state-dict keys are what the files use.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
-_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # a safetensors header's dtype name -> torch's
 
 
 @dataclass
@@ -80,33 +80,52 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def is_hf_checkpoint(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None) -> bool:
+def is_hf_checkpoint(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None, *,
+                     comm: Optional[Communicator] = None) -> bool:
     """A ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` or ``model.safetensors``; at a
-    URL, the same objects."""
-    if is_url(path):
-        fs, url = filesystem(str(path), storage_options), str(path).rstrip("/")
-        if url.endswith(_SUFFIX):
-            return fs.isfile(url)
-        return fs.isfile(join(url, INDEX_FILENAME)) or fs.isfile(join(url, SINGLE_FILENAME))
-    path = Path(path)
-    if path.is_file():
-        return path.suffix == _SUFFIX
-    return path.is_dir() and ((path / INDEX_FILENAME).is_file() or (path / SINGLE_FILENAME).is_file())
+    URL, the same objects. With ``comm`` (collective), rank 0 alone asks the store (one LIST of a directory, one
+    HEAD of a file) and every rank gets its answer: no request per rank."""
+    store = store_for(path, storage_options)
+
+    def probe() -> bool:
+        target = store.target(path)
+        if store.name(target).endswith(_SUFFIX) and store.size(target) is not None:
+            return True
+        listing = store.listing(target) or {}
+        return INDEX_FILENAME in listing or SINGLE_FILENAME in listing
+
+    if comm is None:
+        return probe()
+    return comm.broadcast(together(comm, f"Looking for Hugging Face weights at {str(path)!r}",
+                                   lambda: probe() if comm.global_rank == 0 else None))
 
 
 def safetensors_files(path: Union[str, Path], storage_options: Optional[dict[str, Any]] = None) -> list[Any]:
     """The files of a safetensors checkpoint: the file itself, those its index names, or ``model.safetensors``
     (URLs for a checkpoint at a URL)."""
-    if is_url(path):
-        return _url_files(str(path).rstrip("/"), filesystem(str(path), storage_options))
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    index = path / INDEX_FILENAME
-    if not index.is_file():
-        return [path / SINGLE_FILENAME]
+    store = store_for(path, storage_options)
+    return [file for file, _ in _files(store, store.target(path))]
+
+
+def _files(store: Any, target: Any) -> list[tuple[Any, int]]:
+    """The files of the safetensors checkpoint at ``target`` with their sizes: one listing of the directory (a
+    HEAD for a single file, and for an index entry in a subdirectory), and one read of the index."""
+    if store.name(target).endswith(_SUFFIX):
+        size = store.size(target)
+        if size is not None:
+            return [(target, size)]
+    listing = store.listing(target)
+    if listing is None:
+        raise FileNotFoundError(f"{str(target)!r} is neither a '{_SUFFIX}' file nor a directory. HINT: pass the"
+                                " directory `save_pretrained` wrote, or one of its '.safetensors' files.")
+    index = store.child(target, INDEX_FILENAME)
+    if INDEX_FILENAME not in listing:
+        if SINGLE_FILENAME not in listing:
+            raise FileNotFoundError(f"{str(target)!r} holds neither {INDEX_FILENAME} nor {SINGLE_FILENAME}. HINT:"
+                                    " pass the directory `save_pretrained` wrote.")
+        return [(store.child(target, SINGLE_FILENAME), listing[SINGLE_FILENAME])]
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(store.read(index))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
     except (ValueError, KeyError, TypeError) as err:
@@ -114,66 +133,51 @@ def safetensors_files(path: Union[str, Path], storage_options: Optional[dict[str
             f"{str(index)!r} is not a safetensors index (expected JSON with a 'weight_map' of tensor name to file"
             f" name): {err}. HINT: re-create it with `save_pretrained`, or delete it to load {SINGLE_FILENAME}."
         ) from err
-    files = hf_checks.index_files(path, index, weight_map)
-    absent = [str(f) for f in files if not f.is_file()]
+    files = store.index_entries(target, index, weight_map)
+    # Plain names come from the listing; a name in a subdirectory (rare: `save_pretrained` writes none) is asked for.
+    sizes = [listing.get(store.name(f)) if str(store.parent(f)) == str(target) else store.size(f) for f in files]
+    absent = [str(f) for f, size in zip(files, sizes) if size is None]
     if absent:
-        raise FileNotFoundError(
-            f"the index {str(index)!r} names files that are not there: {absent}. HINT: the download or copy is"
-            " incomplete; fetch the missing files."
-        )
-    return files
+        raise FileNotFoundError(f"the index {str(index)!r} names files that are not there: {absent}. HINT: the"
+                                " download or upload is incomplete; fetch or upload the missing files.")
+    return list(zip(files, sizes))  # type: ignore[arg-type]
 
 
-def _url_files(url: str, fs: Any) -> list[str]:
-    """:func:`safetensors_files` at a URL. An index entry must be a plain relative name of a ``.safetensors`` object
-    under the URL (no scheme, no leading ``/``, no ``..``), as ``save_pretrained`` writes them."""
-    if url.endswith(_SUFFIX):
-        return [url]
-    index = join(url, INDEX_FILENAME)
-    if not fs.isfile(index):
-        return [join(url, SINGLE_FILENAME)]
-    try:
-        weight_map = json.loads(fs.cat_file(index))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(
-            f"{index!r} is not a safetensors index (expected JSON with a 'weight_map' of tensor name to file name):"
-            f" {err}. HINT: re-create it with `save_pretrained`, or delete it to load {SINGLE_FILENAME}."
-        ) from err
-    names = sorted({str(name) for name in weight_map.values()})
-    bad = [n for n in names if not isinstance(n, str) or not n.endswith(_SUFFIX) or n.startswith("/") or "://" in n
-           or ".." in n.split("/")]
-    if bad:
-        raise ValueError(
-            f"the index {index!r} names objects outside {url!r} or not safetensors files: {bad[:5]}. Allowed: a"
-            f" '{_SUFFIX}' name relative to the checkpoint URL that stays under it. HINT: name the files by their"
-            " plain file names in 'weight_map', as `save_pretrained` writes them."
-        )
-    files = [join(url, n) for n in names]
-    absent = [f for f in files if not fs.isfile(f)]
-    if absent:
-        raise FileNotFoundError(f"the index {index!r} names objects that are not there: {absent}. HINT: the upload"
-                                " is incomplete; upload the missing files.")
-    return files
+def _snapshot(store: Any, source: Any) -> list[tuple[str, int, bytes]]:
+    """What every rank needs to plan its reads, read by rank 0 alone: each file, its size and the bytes of its
+    header (one ranged GET each, a second only for a header longer than ``_HEAD``)."""
+    out = []
+    for file, size in _files(store, store.target(source)):
+        head = store.read(file, 0, min(size, _HEAD))
+        if len(head) >= 8:
+            want = 8 + int.from_bytes(head[:8], "little")
+            if len(head) < want <= min(size, _MAX_HEADER):
+                head += store.read(file, len(head), want)
+        out.append((str(file), size, head))
+    return out
+
+
+_HEAD = 256 * 2**10  # the first read of a file: its header, for all but the largest checkpoints
+_MAX_HEADER = 100_000_000  # the safetensors library refuses a longer header; a longer one is never fetched
 
 
 def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: bool, comm: Communicator,
                             storage_options: Optional[dict[str, Any]] = None) -> LoadReport:
     """Read the safetensors weights at ``path`` into ``module`` (sharded or not), each rank its own slices.
 
-    Returns the :class:`LoadReport` on every rank. Raises on every rank alike when a file cannot be read, a shape
-    differs, chunks do not tile a weight, a dtype is of another kind, or (``strict=True``) a name is missing or
-    unexpected. Every check runs before the first weight is read, so a refused load leaves the model as it was.
+    Rank 0 lists the files, reads the index and every file's header (a few requests, whatever the world size) and
+    broadcasts them; every rank plans from them and reads only its own rows. Returns the :class:`LoadReport` on
+    every rank. Raises on every rank alike when a file cannot be read, a shape differs, chunks do not tile a weight,
+    a dtype is of another kind, or (``strict=True``) a name is missing or unexpected. Every check runs before the
+    first weight is read, so a refused load leaves the model as it was.
     """
     source: Any = comm.broadcast(str(path))
-    fs = filesystem(source, storage_options) if is_url(source) else None
-    source = source.rstrip("/") if fs is not None else Path(source)
-    files = together(comm, f"Finding the safetensors files of {str(source)!r}",
-                     lambda: safetensors_files(source, storage_options))
-    reader = _SafetensorsReader(files, progress=comm.global_rank == 0) if fs is None else \
-        _RangedReader(files, progress=comm.global_rank == 0, fs=fs)
-    # Every rank reads the headers itself (a few kB each), so every rank can plan its own reads.
+    store = store_for(source, storage_options)
+    source = store.target(source)
+    snapshot = comm.broadcast(together(comm, f"Finding the safetensors files of {str(source)!r}",
+                                       lambda: _snapshot(store, source) if comm.global_rank == 0 else None))
+    reader = _RangedReader(snapshot, progress=comm.global_rank == 0, store=store)
+    # Every rank parses the headers it was sent, so every rank can plan its own reads.
     metadata: Metadata = together(comm, f"Reading the safetensors headers of {str(source)!r}", reader.read_metadata)
     state = get_model_state_dict(module)
 
@@ -201,86 +205,27 @@ def load_pretrained_weights(path: Union[str, Path], module: Module, *, strict: b
     return report
 
 
-class _SafetensorsReader(HuggingFaceStorageReader):
-    """torch's Hugging Face reader, restricted to the checkpoint's own files and holding one slice at a time.
+class _RangedReader(HuggingFaceStorageReader):
+    """torch's Hugging Face reader, for files in any store (local or at a URL), read by byte ranges through the store
+    (:class:`RangedFile`): the headers rank 0 read, then only the rows of each tensor this rank's shards need.
 
     - torch's reader lists every ``.safetensors`` file in the directory; a directory may hold more than one
-      checkpoint (``model.safetensors`` beside an indexed set, or a single file chosen among others).
-    - torch's reader keeps each file open while it reads all of this rank's slices from it. A file is mapped, and
-      every page a mapping touched stays resident until it closes, so a 10 GB file would cost this rank its whole
-      share of those 10 GB on top of its shards. Here each slice opens the file anew: the header costs a few kB
-      per read, and at most one slice is resident at a time.
+      checkpoint (``model.safetensors`` beside an indexed set, or a single file chosen among others). Here: the
+      checkpoint's own files, as the index names them.
+    - torch's reader keeps each file mapped while it reads all of this rank's slices from it, and every page a
+      mapping touched stays resident until it closes. Here a rank holds at most ``range_size`` bytes of ranges at a
+      time (:func:`~lightning_fsdp.checkpoint.io.transfers.transfers`; a remote store keeps them in flight
+      together), each copied into its shard straight from the bytes read, then dropped.
+
+    The metadata is built as torch's reader builds it, with the same checks before it (``hf_checks``).
     """
 
-    def __init__(self, files: list[Path], *, progress: bool) -> None:
-        super().__init__(str(files[0].parent))
-        self.fs = _Listing(self.fs, files)
-        self._progress = progress
+    def __init__(self, snapshot: list[tuple[str, int, bytes]], *, progress: bool, store: Any) -> None:
+        super().__init__(snapshot[0][0].rsplit("/", 1)[0] if "/" in snapshot[0][0] else ".")
+        self._snapshot, self._store, self._progress = snapshot, store, progress
+        self._opened: dict[str, RangedFile] = {}
         self.placed: set[str] = set()  # the files whose header places their chunks (DCP_SHARDING_INFO)
         self.holders: dict[str, dict[str, torch.dtype]] = defaultdict(dict)  # tensor -> file -> stored dtype
-
-    def read_metadata(self) -> Metadata:
-        from safetensors import safe_open
-
-        # torch's reader trusts the sharding info; check it first, so a bad one is an error naming the file.
-        for name in self.fs.ls(self.path):
-            with _header_of(name):  # safetensors checks the header's length, JSON and offsets against the file
-                with safe_open(name, framework="pt") as file:
-                    header = file.metadata()
-                    slices = {key: file.get_slice(key) for key in file.keys()}
-                    shapes = {key: s.get_shape() for key, s in slices.items()}
-                    dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
-            hf_checks.check_sharding_info(name, header, shapes)
-            for key, dtype in dtypes.items():
-                self.holders[key][name] = _stored_dtype(name, key, dtype)
-            if header and header.get(hf_checks.SHARDING_INFO_KEY):
-                self.placed.add(name)
-        with _header_of(self.path):  # torch parses the headers again, once safetensors has found them sound
-            return super().read_metadata()
-
-    def read_data(self, plan: Any, planner: Any) -> Future:
-        from safetensors import safe_open
-        from tqdm import tqdm  # Lightning depends on tqdm
-
-        # Rank 0's share stands for all; shown only when the load takes more than a couple of seconds.
-        items = tqdm(plan.items, desc="Loading pretrained weights", unit="tensor", delay=2.0,
-                     disable=not self._progress, leave=False)
-        for item in items:
-            info = self.storage_data[item.storage_index]
-            region = tuple(slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths))
-            with safe_open(info.relative_path, framework="pt") as file:
-                piece = file.get_slice(item.storage_index.fqn)[region]
-            target = planner.resolve_tensor(item).detach()
-            if target.shape != piece.shape:  # copy_ would broadcast a smaller piece silently
-                raise RuntimeError(f"internal error: {item.storage_index.fqn!r} read {list(piece.shape)} from"
-                                   f" {info.relative_path!r} for a slice of {list(target.shape)}")
-            target.copy_(piece)  # converts the dtype too: a bf16 file into fp32 parameters, or back
-            planner.commit_tensor(item, target)
-            del piece
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-
-@dataclass(frozen=True)
-class _RangedInfo:
-    """Where a stored tensor is (what ``read_data`` needs of ``Metadata.storage_data``)."""
-
-    relative_path: str
-
-
-class _RangedReader(_SafetensorsReader):
-    """The same reader for files at a URL, read through fsspec by byte ranges (:class:`RangedFile`): every rank
-    reads the headers, then only the rows of each tensor that its shards need, ``_RANGES_IN_FLIGHT`` bytes of
-    ranges at a time in one ``cat_ranges`` call (s3fs sends them concurrently). The metadata is built as torch's
-    reader builds it from local files, with the same checks before it."""
-
-    def __init__(self, files: list[str], *, progress: bool, fs: Any) -> None:
-        HuggingFaceStorageReader.__init__(self, files[0].rsplit("/", 1)[0])
-        self._files, self._remote_fs, self._progress = files, fs, progress
-        self._opened: dict[str, RangedFile] = {}
-        self.placed = set()
-        self.holders = defaultdict(dict)
 
     def read_metadata(self) -> Metadata:
         from torch.distributed.checkpoint.metadata import (
@@ -289,9 +234,9 @@ class _RangedReader(_SafetensorsReader):
 
         stored: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _RangedInfo] = {}
-        for url in self._files:
+        for url, size, head in self._snapshot:
             with _header_of(url):
-                file = self._opened[url] = RangedFile(self._remote_fs, url)
+                file = self._opened[url] = RangedFile(_Head(size, head), url)
             shapes = {key: list(entry[1]) for key, entry in file.entries.items()}
             hf_checks.check_sharding_info(url, file.header_metadata, shapes)
             info = (file.header_metadata or {}).get(hf_checks.SHARDING_INFO_KEY)
@@ -315,17 +260,23 @@ class _RangedReader(_SafetensorsReader):
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Future:
+        from tqdm import tqdm  # Lightning depends on tqdm
+
+        # Rank 0's share stands for all; shown only when the load takes more than a couple of seconds.
+        items = tqdm(plan.items, desc="Loading pretrained weights", unit="tensor", delay=2.0,
+                     disable=not self._progress, leave=False)
+        window = transfers().range_size
         batch: list[tuple[Any, RangedFile, tuple[slice, ...], int, int]] = []
         held = 0
-        for item in plan.items:
+        for item in items:
             file = self._opened[self.storage_data[item.storage_index].relative_path]
             region = tuple(slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths))
             start, end = file.row_range(item.storage_index.fqn, region)
-            batch.append((item, file, region, start, end))
-            held += end - start
-            if held >= _RANGES_IN_FLIGHT:
+            if batch and held + end - start > window:
                 self._read(batch, planner)
                 batch, held = [], 0
+            batch.append((item, file, region, start, end))
+            held += end - start
         self._read(batch, planner)
         done: Future = Future()
         done.set_result(None)
@@ -334,22 +285,40 @@ class _RangedReader(_SafetensorsReader):
     def _read(self, batch: list, planner: Any) -> None:
         if not batch:
             return
-        datas = self._remote_fs.cat_ranges([file.url for _, file, _, _, _ in batch], [b[3] for b in batch],
-                                           [b[4] for b in batch], on_error="return")
-        for (item, file, region, start, end), data in zip(batch, datas):
-            if isinstance(data, BaseException) or len(data) != end - start:
-                why = data if isinstance(data, BaseException) else f"{len(data)} bytes of {end - start}"
-                raise unreadable(file.url, OSError(f"bytes {start}-{end} could not be read ({why})"))
-            piece = file.piece(item.storage_index.fqn, region, data)
+        datas: list[Any] = self._store.read_ranges([b[1].url for b in batch], [b[3] for b in batch],
+                                                   [b[4] for b in batch])
+        for i, (item, file, region, _, _) in enumerate(batch):
+            piece = file.piece(item.storage_index.fqn, region, datas[i])
             target = planner.resolve_tensor(item).detach()
-            if target.shape != piece.shape:
+            if target.shape != piece.shape:  # copy_ would broadcast a smaller piece silently
                 raise RuntimeError(f"internal error: {item.storage_index.fqn!r} read {list(piece.shape)} from"
                                    f" {file.url!r} for a slice of {list(target.shape)}")
-            target.copy_(piece)
+            target.copy_(piece)  # converts the dtype too: a bf16 file into fp32 parameters, or back
             planner.commit_tensor(item, target)
+            datas[i] = piece = None  # the range's bytes go now, not with the batch
 
 
-_RANGES_IN_FLIGHT = 64 * 2**20  # bytes of ranges requested together (s3fs keeps them in flight concurrently)
+@dataclass(frozen=True)
+class _RangedInfo:
+    """Where a stored tensor is (what ``read_data`` needs of ``Metadata.storage_data``)."""
+
+    relative_path: str
+
+
+class _Head:
+    """What :class:`RangedFile` asks of a filesystem to parse a header, answered from the bytes rank 0 read."""
+
+    def __init__(self, size: int, head: bytes) -> None:
+        self._size, self._head = size, head
+
+    def size(self, url: str) -> int:
+        return self._size
+
+    def cat_file(self, url: str, start: int, end: int) -> bytes:
+        if end > len(self._head):
+            raise ValueError(f"its header length {end - 8} is more than the {_MAX_HEADER} bytes a safetensors header"
+                             " may have")
+        return self._head[start:end]
 
 
 @contextlib.contextmanager
@@ -362,27 +331,6 @@ def _header_of(path: Any) -> Iterator[None]:
         raise
     except Exception as err:  # noqa: BLE001 - SafetensorError, json's and struct's errors, ...
         raise unreadable(path, err) from err
-
-
-def _stored_dtype(file: str, tensor: str, name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise TypeError(f"{file!r} stores {tensor!r} as {name}, a dtype torch cannot load. Allowed:"
-                        f" {', '.join(_DTYPES)}. HINT: convert the file with the library that wrote it.")
-    return _DTYPES[name]
-
-
-class _Listing:
-    """DCP's file system object, except that listing the directory yields only the chosen files."""
-
-    def __init__(self, fs: Any, files: list[Path]) -> None:
-        self._fs = fs
-        self._files = [str(f) for f in files]
-
-    def ls(self, path: Any) -> list[str]:
-        return list(self._files)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fs, name)
 
 
 def _match(state: dict[str, Any], metadata: Metadata, tied: list[set[str]]) -> tuple[LoadReport, list[str]]:

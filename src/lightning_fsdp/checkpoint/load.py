@@ -73,7 +73,7 @@ def load_checkpoint(
         # `<dir>/latest`: the step checkpoints there, newest first; the load verifies what it reads (issue 43).
         candidates = load_candidates(path, comm, storage_options)
         path = candidates[0]
-        if isinstance(state, Module) and hf.is_hf_checkpoint(path, storage_options):
+        if isinstance(state, Module) and hf.is_hf_checkpoint(path, storage_options, comm=comm):
             # Hugging Face weights (`load_raw`), local or at a URL: plain files, read in place (by ranges at a URL),
             # never through a commit (they were not written by a save).
             hf.load_pretrained_weights(path, state, strict=strict, comm=comm, storage_options=storage_options)

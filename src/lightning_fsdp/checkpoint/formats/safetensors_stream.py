@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,12 +175,19 @@ class RangedFile:
         """``region`` of ``key`` from ``data``, the bytes :meth:`row_range` named."""
         dtype, shape, _, _ = self.entries[key]
         if not shape:
-            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(())
+            return _view(data, dtype).reshape(())
         rows = (region[0].stop if region[0].stop is not None else shape[0]) - (region[0].start or 0)
         if rows * SafetensorsItem(key, shape[1:], dtype).nbytes == 0:
             return torch.empty((rows, *shape[1:]), dtype=dtype)[(slice(None), *region[1:])]
-        flat = torch.frombuffer(bytearray(data), dtype=dtype)
-        return flat.reshape(rows, *shape[1:])[(slice(None), *region[1:])]
+        return _view(data, dtype).reshape(rows, *shape[1:])[(slice(None), *region[1:])]
+
+
+def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` seen as a tensor, not copied (a copy would hold every range twice): the reader only copies out of
+    it, so that the buffer of ``bytes`` is read-only does not matter (torch warns that it is, once per call)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
 
 
 def _bad_header(problem: str) -> ValueError:
