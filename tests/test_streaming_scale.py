@@ -43,13 +43,13 @@ NARROW = ["sharded_load_8_to_4_reads_only_each_rank_s_share", "latest_over_a_goo
 @pytest.fixture(scope="module")
 def scale(ledger_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("streaming_scale")
-    return root, {**ledger_server.env, "LFSDP_TEST_BUCKET": ledger_server.bucket(), "LFSDP_SCALE_DIR": str(root),
-                  "LFSDP_SCALE_TMP": str(root / "tmp")}
+    return root, {**ledger_server.env, "LFSDP_TEST_BUCKET": ledger_server.bucket(), "LFSDP_SCALE_DIR": str(root)}
 
 
 def _launch(scale, phase: str, world: int):
-    root, env = scale
-    return launch("streaming_scale.py", world, root / phase, LFSDP_SCALE_PHASE=phase, **env)
+    root, env = scale  # a fresh TMPDIR folder per launch (and per rank: the worker adds r<rank>)
+    return launch("streaming_scale.py", world, root / phase, LFSDP_SCALE_PHASE=phase,
+                  LFSDP_SCALE_TMP=str(root / phase / "tmp"), **env)
 
 
 @pytest.fixture(scope="module")

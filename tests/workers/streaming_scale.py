@@ -12,11 +12,12 @@ A save writes ``expected_<name>.pt`` (the full parameters and optimizer state, g
 load compares with it exactly. The byte figures come from the ledger, by access key: each rank signs with its own
 (``r<rank>``, set below before any client exists), and reads its records of a case over the ledger's control path.
 
-Local disk: each rank gets its own ``TMPDIR`` (``<LFSDP_SCALE_TMP>/r<rank>``, set below, and ``tempfile``'s cached
-folder cleared so that it is used: the fork server may have asked for it before). A sampler thread walks that folder
-every 2 ms while the save or load runs and records the peak total size of the files in it. A sampler can miss a file
-that lives less than 2 ms; the staging copy and the downloaded objects it is there to catch live for the whole
-transfer (tens of milliseconds at least), and the test states the target (<= 0.1x the shard), not zero.
+Local disk: each rank gets its own ``TMPDIR`` (``<LFSDP_SCALE_TMP>/r<rank>``, fresh per launch, set below, and
+``tempfile``'s cached folder cleared so that it is used: the fork server may have asked for it before). A sampler
+thread walks that folder every 2 ms while the save or load runs and records the peak of the total size of its files
+above what they were when the block began. A sampler can miss a file that lives less than 2 ms; the staging copy
+and the downloaded objects it is there to catch live for the whole transfer (tens of milliseconds at least), and the
+test states the target (<= 0.1x the shard), not zero.
 
 Every check of a case is gathered across ranks before anything is raised (:func:`_agree`), so a failed figure on one
 rank fails the case on every rank, with every rank's numbers, instead of leaving the others waiting in the next
@@ -135,21 +136,27 @@ class _Watch:
         self.fabric.barrier()
         with urllib.request.urlopen(f"{ENDPOINT}/_ledger/records?since=1000000000", timeout=60) as answer:
             self.mark = json.loads(answer.read())["next"]
+        self.start = self._size()
         self.peak, self._stop = 0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
+    @staticmethod
+    def _size() -> int:
+        total = 0
+        for folder, _, files in os.walk(TMP):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(folder, name)).st_size
+                except OSError:  # removed meanwhile
+                    pass
+        return total
+
     def _sample(self):
+        """The peak of what the block added to TMPDIR (what earlier cases left there is not this block's)."""
         while not self._stop.is_set():
-            total = 0
-            for folder, _, files in os.walk(TMP):
-                for name in files:
-                    try:
-                        total += os.stat(os.path.join(folder, name)).st_size
-                    except OSError:  # removed meanwhile
-                        pass
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, self._size() - self.start)
             time.sleep(0.002)
 
     def __exit__(self, *exc):
