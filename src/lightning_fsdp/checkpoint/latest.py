@@ -16,6 +16,14 @@ that orders a directory, for ``latest``, ``resume`` and retention (:mod:`.retent
 ``fabric.load("<dir>/latest", state)`` and ``trainer.fit(..., ckpt_path="<dir>/latest")`` use this when ``latest``
 does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as it is).
 
+In a bucket (issue 43), verifying the newest checkpoint before loading it would move its bytes twice. So a load of
+``<dir>/latest`` there takes the candidates from the COMMITs alone, newest first (:func:`load_candidates`), and the
+load itself verifies every item it reads; damage found then is warned about, remembered, and the one committed before
+it is loaded instead (:func:`fall_back`). The newest good checkpoint is moved once; a damaged one costs what was read
+of it. On the local disk the newest is verified first, as before (a second read there comes from the page cache).
+Verification on its own (retention, ``inspect --verify``) streams a bucket's objects: no local copy
+(:meth:`~lightning_fsdp.checkpoint.io.remote.FsspecStore.verify`).
+
 Damaged is not unreadable (issues 42 and 45). Only bytes that were read and found wrong (a checksum that does not
 match, a reader's refusal) make a checkpoint damaged, skipped and remembered. A store that could not be read (a
 network error, a timeout, refused access, an object gone while it was read:

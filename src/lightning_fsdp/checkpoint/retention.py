@@ -20,7 +20,9 @@ Rules, each for a failure it prevents:
   be read during retention itself stops it the same way, with an error naming it.
 
 Verification reads a checkpoint in full, once per process (:func:`.latest.verification_failure` remembers it while
-its files are unchanged), and the checkpoint just committed is not read back (:func:`.latest.trust`).
+its files are unchanged, and what a load of ``latest`` found damaged), and the checkpoint just committed is not read
+back (:func:`.latest.trust`). In a bucket it streams each object in windows, several in flight: no local copy, a few
+windows of memory (:meth:`~lightning_fsdp.checkpoint.io.remote.FsspecStore.verify`).
 """
 
 from __future__ import annotations

@@ -211,12 +211,15 @@ def _archive(objects: Objects, name: str) -> Iterator[zipfile.ZipFile]:
     """The zip archive of one object, read by ranges (:class:`_RangeFile`). Bytes that are no zip archive raise
     ``CheckpointError`` naming the object, as :func:`.zipfiles._archive` does for a file; a store's own errors
     (``OSError``: it could not be read) pass as they are."""
+    file = _RangeFile(objects, name)
     try:
-        with zipfile.ZipFile(_RangeFile(objects, name)) as archive:
+        with zipfile.ZipFile(file) as archive:
             yield archive
     except (CheckpointError, TreeLimitError, OSError):
         raise
     except Exception as err:  # noqa: BLE001 - BadZipFile, struct.error, EOFError, NotImplementedError, ...
+        if file.failure is not None:  # zipfile says BadZipFile for any OSError of its reads: the store's, here
+            raise file.failure from err
         raise unreadable(objects.where(name), err) from err
 
 
@@ -233,6 +236,7 @@ class _RangeFile(io.RawIOBase):
         self._size = objects.size(name)
         self._pos = 0
         self._blocks: list[tuple[int, bytes]] = []
+        self.failure: Optional[OSError] = None
 
     def readable(self) -> bool:
         return True
@@ -268,7 +272,11 @@ class _RangeFile(io.RawIOBase):
         else:
             start = position
         end = min(self._size, max(position + want, start + self._BLOCK))
-        data = self._objects.read(self._name, start, end)
+        try:
+            data = self._objects.read(self._name, start, end)
+        except OSError as err:  # the store could not be read: kept, since zipfile turns it into "not a zip file"
+            self.failure = err
+            raise
         self._blocks = [(start, data), *self._blocks[:1]]
         return data, start
 
