@@ -112,7 +112,11 @@ class _Fetcher:
         try:
             count = 0
             while count < len(view):
-                chunk = await body.read(min(_CHUNK, len(view) - count))
+                try:
+                    chunk = await body.read(min(_CHUNK, len(view) - count))
+                except Exception as err:  # aiohttp's ClientPayloadError and the like: the connection broke mid-body
+                    raise ConnectionError(errno.ECONNRESET, f"the body of {url!r} broke off at byte {start + count}"
+                                          f" of a range to {end} ({type(err).__name__}: {err})") from err
                 if not chunk:  # the connection closed early: transient, the retry goes on from here
                     raise ConnectionError(errno.ECONNRESET, f"the body of {url!r} ended at byte {start + count} of a"
                                           f" range to {end}")

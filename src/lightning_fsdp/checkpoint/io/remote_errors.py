@@ -36,8 +36,9 @@ DEFAULT_TIMEOUT_S = 60.0
 ATTEMPTS: Optional[int] = None  # a cap on attempts besides the bound (None: the bound alone); tests set it
 BACKOFF_S = 0.25  # the first wait; each next one doubles, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 4.0
+# "reduce your request rate": S3's SlowDown (503) as s3fs raises it, an OSError(EBUSY) that keeps only the message.
 _TRANSIENT = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "RequestTimeout", "reset by peer",
-              "Connection", "timed out", "Timeout", "Disconnected")
+              "Connection", "timed out", "Timeout", "Disconnected", "reduce your request rate")
 _SAVING = ("checking", "uploading to", "committing")
 _STORE_ERROR = "_lfsdp_store_error"  # set on the errors :func:`explain` makes: the store, not the bytes, failed
 
