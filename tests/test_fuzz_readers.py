@@ -177,9 +177,11 @@ def _read_commit(directory: Path, original: Path) -> None:
 
 def _read_safetensors(file: Path, original: Path) -> None:
     """The safetensors header reader of pretrained loading (it plans the reads from the header alone)."""
-    from lightning_fsdp.checkpoint.hf import _SafetensorsReader
+    from lightning_fsdp.checkpoint.hf import _RangedReader, _snapshot
+    from lightning_fsdp.checkpoint.io.store import store_for
 
-    _SafetensorsReader([file], progress=False).read_metadata()
+    store = store_for(file)  # what rank 0 reads (the header's bytes), then what every rank parses of them
+    _RangedReader(_snapshot(store, file), progress=False, store=store).read_metadata()
 
 
 # ----------------------------------------------------------------------------------------------- the mutations

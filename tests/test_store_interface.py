@@ -230,3 +230,32 @@ def test_the_local_store_answers_the_plain_file_operations_as_the_remote_one(tmp
         store.index_entries(tmp_path, tmp_path / "index.json", {"w": "../x.safetensors"})
     with pytest.raises(UsageError, match="`clean` takes a checkpoint URL.*HINT"):
         store.clean(tmp_path)
+
+
+def test_a_slice_read_by_ranges_is_a_view_of_the_bytes_read_not_a_second_copy():
+    """The ranged reader holds at most ``range_size`` bytes of ranges; each piece copied into a shard must be a view
+    of them (a ``bytearray`` copy held every batch twice: 64 MiB of ranges, then 64 MiB more of copies)."""
+    import numpy as np
+
+    from lightning_fsdp.checkpoint.formats.safetensors_stream import RangedFile
+
+    class Bytes:  # what RangedFile asks of a filesystem, from one file's bytes
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def size(self, url: str) -> int:
+            return len(self.data)
+
+        def cat_file(self, url: str, start: int, end: int) -> bytes:
+            return self.data[start:end]
+
+    rows = torch.arange(48.0).reshape(8, 6)
+    source = Bytes(safetensors_bytes({"w": rows}))
+    file = RangedFile(source, "x.safetensors")
+    region = (slice(2, 6), slice(0, 6))
+    start, end = file.row_range("w", region)
+    data = source.cat_file("", start, end)
+    piece = file.piece("w", region, data)
+    assert torch.equal(piece, rows[2:6])
+    address = np.frombuffer(data, dtype=np.uint8).ctypes.data  # numpy views the bytes object's own buffer
+    assert address <= piece.data_ptr() < address + len(data), "the piece is a copy of the bytes read"
