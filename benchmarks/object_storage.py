@@ -21,8 +21,12 @@ launch at world 4 with a smaller model counts the bytes per rank of a sharded lo
 
 What limits it: moto spends Python time per byte (werkzeug, an MD5 per object for the ETag, copies) on the same 2
 cores as the ranks, so every side is bound by the server and the throughput ratios show serial phases and extra
-bytes, not client speed (``benchmarks/profile_s3.py`` measures clients against a fast stub). Run (the parent
-starts the server and the ranks; take the CPU lock around it on a shared machine):
+bytes, not client speed (``benchmarks/profile_s3.py`` measures clients against a fast stub). Two of moto's costs
+are not S3's and fall on one side only: completing a multipart upload copies and hashes the whole object again
+(0.32 s for 86 MiB here; the plain put of a shard under 100 MiB is one PUT), and a ranged GET copies the whole object
+(55 ms per range of an 86 MiB object, whatever its length). The second would turn a reader's small ranges into
+seconds, so the counting server answers ranged GETs itself from moto's stored bytes (``--moto-ranges``: not).
+Run (the parent starts the server and the ranks; take the CPU lock around it on a shared machine):
 
     flock /tmp/cpu.lock .venv/bin/python benchmarks/object_storage.py [--rounds 3] [--json out.json]
 """
