@@ -194,3 +194,29 @@ def test_retention_verifies_a_bucket_without_a_local_copy_and_stops_when_the_new
     ledger.reset()
     assert prune(directory, keep_last=1, storage_options=LOADER) == [f"{directory}/step-0000000{s}" for s in (1, 2)]
     assert not (tmp_path / "no-local-copies").exists()
+
+
+def test_verify_streams_windows_in_flight_and_fetches_a_failed_window_again_alone(ledger, bucket, tmp_path,
+                                                                                   monkeypatch):
+    """A shard of 2.5 windows: verified in windows of ``range_size`` with several in flight, and a window the store
+    refuses once (503) is asked for again by itself: one request more, not the whole object again."""
+    from lightning_fsdp.checkpoint.io import remote_errors, transfers
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    url = f"s3://{bucket}/run/step-00000001"
+    source = tmp_path / "big.pt"
+    torch.save({"w": torch.arange(640 * 1024, dtype=torch.float32)}, source)  # 2.5 MiB
+    assert run_cli(["convert", source, url, "--to", "sharded"], cwd=tmp_path).returncode == 0
+    prefix, _ = _objects(ledger, url)
+    shard = f"{prefix}/__0_0.distcp"
+    size = ledger.filesystem(key="setup").size(shard)
+    monkeypatch.setattr(remote_errors, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(transfers, "_current", transfers.check_transfers(range_size=2**20, ranges_in_flight=2))
+    ledger.reset()
+    ledger.fail(f"GET {shard}", status=503, nth=2)
+    assert store_for(url, LOADER).verify(url) is True
+    gets = ledger.records("loader", match=f"GET {shard}")
+    ranges = sorted(r.range for r in gets)
+    windows = ["bytes=0-1048575", "bytes=1048576-2097151", f"bytes=2097152-{size}"]  # the last asks one byte more
+    assert len(gets) == 4 and sorted(set(ranges)) == windows, ranges  # ranges only, one of them twice
+    assert ledger.bytes_out("loader", prefix=shard) <= size + 1024
