@@ -168,7 +168,8 @@ def a_flipped_byte_in_a_tensor_record_fails_the_load_on_every_rank_naming_the_ur
         with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
             info = max(archive.infolist(), key=lambda i: i.file_size)  # a tensor record (the largest weight)
         header = data[info.header_offset:info.header_offset + 30]
-        start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        name_length, extra_length = (int.from_bytes(header[i:i + 2], "little") for i in (26, 28))
+        start = info.header_offset + 30 + name_length + extra_length
         data[start + info.file_size // 2] ^= 0x40
         fs.pipe_file(name, bytes(data))
     fabric.barrier()

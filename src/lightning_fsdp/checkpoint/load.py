@@ -43,7 +43,7 @@ from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
 from lightning_fsdp.checkpoint.io import ranged_read
-from lightning_fsdp.checkpoint.io.remote_full import RemoteFullFile
+from lightning_fsdp.checkpoint.io.remote_full import CheckedOnRead, RemoteFullFile
 from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
 from lightning_fsdp.checkpoint.io.store import store_for
@@ -308,14 +308,13 @@ def _load_full(
     optimizers = {k: (get_optimizer_state_dict(split.owners[k], o), *tables[k])
                   for k, o in split.optimizers.items() if k in found}
     together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     # `strict` is checked above (`fit`); torch's own optimizer check would count never-stepped parameters as missing.
     optimizer_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     for key, module in split.models.items():
         if key in found:
             # Entry by entry through the module's own `load_state_dict`, so hooks that rename keys (litgpt's LoRA
             # layers) see the file's names on every rank; see `full_state_load`.
-            full = _CheckedOnRead(entries.get(key, {}), verifiers[0]) if comm.global_rank == 0 else None
+            full = CheckedOnRead(entries.get(key, {}), verifiers[0]) if comm.global_rank == 0 else None
             try:
                 load_full_from_rank0(module, full, strict=strict)
             finally:
@@ -336,31 +335,6 @@ def _load_full(
     # have been broadcast by then (stopping rank 0 alone mid-broadcast would hang the others).
     together(comm, f"Verifying {str(source)!r}", lambda: verifiers[0].finish() if verifiers else None)
     return _restore_metadata(state, split, metadata)
-
-
-class _CheckedOnRead(dict):
-    """A model's full state dict on rank 0 that hands each tensor to its file's reader as the state-dict API takes it
-    to broadcast it (``state_dict[key]``): a local file's record is hashed right before the broadcast reads the same
-    pages (:class:`LoadVerifier`); a file in a bucket gives the record's data, fetched (the next ones prefetched, in
-    this dict's order) and checked as it arrives (:mod:`~lightning_fsdp.checkpoint.io.remote_full`)."""
-
-    def __init__(self, entries: dict[str, Any], reader: Any) -> None:
-        super().__init__(entries)
-        self._check = reader.check if isinstance(reader, LoadVerifier) else None
-        self._stream = None if self._check is not None else reader.stream(v for v in entries.values()
-                                                                          if isinstance(v, torch.Tensor))
-
-    def __getitem__(self, key: str) -> Any:
-        value = super().__getitem__(key)
-        if self._check is not None:
-            self._check(value)
-            return value
-        return self._stream.take(value) if isinstance(value, torch.Tensor) and value.device.type == "meta" else value
-
-    def close(self) -> None:
-        """End the prefetch threads (entries a non-strict load skipped are never taken)."""
-        if self._stream is not None:
-            self._stream.close()
 
 
 def _param_names(model: Module, optimizer: Optimizer) -> list[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import struct
 import sys
 import threading
@@ -38,11 +39,12 @@ from lightning_fsdp.checkpoint.integrity.digests import (
     DAMAGED_HINT, ZIP_CHECKSUMS_RECORD, ChecksumError, Crc32, hasher_factory, storage_bytes,
 )
 from lightning_fsdp.checkpoint.integrity.tree import map_leaves
+from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier
 from lightning_fsdp.checkpoint.io.remote_errors import retrying
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
 from lightning_fsdp.checkpoint.io.transfers import transfers
 
-__all__ = ["RemoteFullFile", "TAIL_BYTES"]
+__all__ = ["RemoteFullFile", "CheckedOnRead", "TAIL_BYTES"]
 
 TAIL_BYTES = 16 * 2**10  # the first GET of the zip's end: EOCD and the central directory of ~150 records (a larger
 # directory costs one GET more, of exactly its bytes)
@@ -147,8 +149,10 @@ class RemoteFullFile:
         # the data descriptor torch's writer puts after it.
         ends = [i.header_offset for i in infos[1:]] + [directory]
         self._records = {i.filename.partition("/")[2]: (i, end) for i, end in zip(infos, ends)}
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED or not info.header_offset < directory:
+        for info, end in zip(infos, ends):
+            # A record must fit in its span: a size read from a damaged directory never sizes a buffer.
+            fits = info.header_offset + _LOCAL_HEADER.size + len(info.orig_filename) + info.file_size <= end
+            if info.compress_type != zipfile.ZIP_STORED or not info.header_offset < directory or not fits:
                 raise unreadable(self.target, ValueError(f"the record {info.filename!r} is compressed or misplaced"))
         # The index and the small records torch writes beside it (before the first tensor's): one GET.
         index_info, index_end = self._record("data.pkl")
@@ -171,7 +175,7 @@ class RemoteFullFile:
                 self._digests = {k: (fast, int(v)) for k, v in dict(recorded["records"]).items()}
         except CheckpointError:
             raise
-        except (zipfile.BadZipFile, ValueError, KeyError, TypeError, AttributeError) as err:
+        except Exception as err:  # noqa: BLE001 - BadZipFile, EOFError, NotImplementedError (flags), ValueError...
             raise ChecksumError(f"{self.target!r} is corrupted: its index or its record {ZIP_CHECKSUMS_RECORD!r} is"
                                 f" not readable ({err}).{DAMAGED_HINT}") from err
         order = self._small.get("byteorder", sys.byteorder.encode()).decode(errors="replace")
@@ -208,7 +212,14 @@ class RemoteFullFile:
             offsets[info.header_offset + _LOCAL_HEADER.size + name_length + extra_length] = \
                 info.filename.partition("/")[2]
         archive.seek(0)
-        contents = torch.load(archive, map_location="meta", weights_only=not allow_pickle)
+        try:
+            contents = torch.load(archive, map_location="meta", weights_only=not allow_pickle)
+        except pickle.UnpicklingError:
+            raise  # the allow-list's refusal, in bytes as saved (their CRC-32 matched): the caller explains it
+        except Exception as err:  # noqa: BLE001 - an index naming records the directory lacks, ...
+            if "weights_only" in str(err):
+                raise
+            raise unreadable(self.target, err) from err
         self._key_of_offset = offsets
         return contents
 
@@ -243,7 +254,8 @@ class RemoteFullFile:
         map_leaves(obj, lambda leaf, _: found.append(leaf) if _is_meta(leaf) else None, what=repr(self.target))
         stream = self.stream(found)
         try:
-            return map_leaves(obj, lambda leaf, _: stream.take(leaf) if _is_meta(leaf) else leaf, what=repr(self.target))
+            return map_leaves(obj, lambda leaf, _: stream.take(leaf) if _is_meta(leaf) else leaf,
+                              what=repr(self.target))
         finally:
             stream.close()
 
@@ -278,6 +290,32 @@ class RemoteFullFile:
 
 def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "meta"
+
+
+class CheckedOnRead(dict):
+    """A model's full state dict on rank 0 (the full load's) that hands each tensor to its file's reader as the
+    state-dict API takes it to broadcast it (``state_dict[key]``): a local file's record is hashed right before the
+    broadcast reads the same pages (:class:`~lightning_fsdp.checkpoint.integrity.zipfiles.LoadVerifier`); a file in
+    a bucket gives the record's data, fetched (the next ones prefetched, in this dict's order) and checked as it
+    arrives (:class:`RemoteFullFile`)."""
+
+    def __init__(self, entries: dict[str, Any], reader: Any) -> None:
+        super().__init__(entries)
+        self._check = reader.check if isinstance(reader, LoadVerifier) else None
+        self._stream = None if self._check is not None else reader.stream(v for v in entries.values()
+                                                                          if isinstance(v, torch.Tensor))
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        if self._check is not None:
+            self._check(value)
+            return value
+        return self._stream.take(value) if isinstance(value, torch.Tensor) and value.device.type == "meta" else value
+
+    def close(self) -> None:
+        """End the prefetch threads (entries a non-strict load skipped are never taken)."""
+        if self._stream is not None:
+            self._stream.close()
 
 
 class _Stream:
