@@ -216,7 +216,14 @@ def test_each_rank_fetches_at_most_1_1x_its_share_of_shard_bytes(two_ranks):
             if name == "1->2 old":  # no block digests: every rank reads each saved chunk whole (checked exact only)
                 continue
             got = sum(r.bytes_out for r in _gets(records, rank, load["url"]) if r.key.endswith(".distcp"))
+            print(f"{name} rank {rank}: {got} bytes of shard objects, share {load['share']}: {got / load['share']:.3f}x")
             assert 0 < got <= 1.1 * load["share"], (name, rank, got, load["share"])
+
+
+def test_no_shard_file_reaches_local_disk_during_a_two_rank_load(two_ranks):
+    results, _, _ = two_ranks
+    for detail in results.check("each_rank_reads_only_its_own_ranges_and_no_shard_file_reaches_local_disk"):
+        assert not detail["local_shards"], detail["local_shards"]
 
 
 def test_ranks_other_than_0_fetch_none_of_the_small_objects(two_ranks):

@@ -96,8 +96,7 @@ def each_rank_reads_only_its_own_ranges_and_no_shard_file_reaches_local_disk():
         assert same_tensors(got, expected), name
         loads[name] = {"url": url, "share": _share(target), "remainder": sorted(remainder)}
         fabric.barrier()
-    assert not seen, f"shard files on local disk during a load: {seen}"
-    return {"loads": loads, "rank": fabric.global_rank}
+    return {"loads": loads, "rank": fabric.global_rank, "local_shards": seen}  # checked by the pytest side
 
 
 @case
