@@ -333,11 +333,14 @@ def _worker(args: argparse.Namespace) -> None:
         fabric.barrier()
         before = counted()
         with Sampler(tmp) as sampler:
+            cpu = time.process_time()  # every thread of the rank: the client's loop and transfer threads too
             start = time.perf_counter()
             action()
             elapsed = time.perf_counter() - start
+            cpu = time.process_time() - cpu
         after = counted()
-        mine = {"s": elapsed, "rss": sampler.rss_peak - sampler.rss0, "disk": sampler.disk_peak - sampler.disk0,
+        mine = {"s": elapsed, "cpu": cpu, "rss": sampler.rss_peak - sampler.rss0,
+                "disk": sampler.disk_peak - sampler.disk0,
                 **{f: after.get(f, 0) - before.get(f, 0) for f in ("in", "out", "requests", "GET", "PUT", "HEAD")}}
         ranks: list[Any] = [None] * world
         dist.all_gather_object(ranks, mine)
@@ -458,6 +461,14 @@ def _rows(runs: dict[str, list[dict]], shards: list[int], dcp_shard: int, checkp
         """Per round, the largest ratio over ranks of ``field`` to the rank's ``per`` bytes."""
         return [max(r[field] / p for r, p in zip(rnd["ranks"], per)) for rnd in runs[side]]
 
+    def cpu(side: str) -> list[float]:
+        """Per round, the CPU seconds of the busiest rank."""
+        return [max(r["cpu"] for r in rnd["ranks"]) for rnd in runs[side]]
+
+    def cpu_ratio(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(cpu(a), cpu(b))]
+
+    cpu_per_gb = {side: med(cpu(side)) / (max(shards) / 1e9) for side in runs}
     shard_mb = [s / 1e6 for s in shards]
     rss_bound = [(64 * MIB + 0.1 * s) / s for s in shards]
     common = {"checkpoint_MB": checkpoint_bytes / 1e6, "shard_MB": shard_mb, "objects": objects}
@@ -500,6 +511,12 @@ def _rows(runs: dict[str, list[dict]], shards: list[int], dcp_shard: int, checkp
                detail={**common, "MiB": [max(r["rss"] for r in rnd["ranks"]) / MIB for rnd in runs["load"]],
                        "bound": "64 MiB + 0.1x the shard",
                        "dcp_fsspec": med(worst("dcp load", "rss", [dcp_shard] * world))}),
+        figure("object storage: rank CPU per shard byte, sharded save vs plain s3fs put", cpu_ratio("save", "plain put"),
+               baseline="process CPU seconds of each rank (all its threads) during the plain put of as many bytes",
+               target=None, detail={"cpu_s_per_GB": cpu_per_gb, "dcp_fsspec": med(cpu_ratio("dcp save", "plain put"))}),
+        figure("object storage: rank CPU per shard byte, sharded load vs plain s3fs get", cpu_ratio("load", "plain get"),
+               baseline="process CPU seconds of each rank (all its threads) during the plain get of its shard",
+               target=None, detail={"cpu_s_per_GB": cpu_per_gb, "dcp_fsspec": med(cpu_ratio("dcp load", "plain get"))}),
         figure("object storage: plain s3fs put vs itself (the harness's noise)", per_round("plain put 2", "plain put"),
                baseline="the same plain put, measured twice per round", target=None),
         figure("object storage: plain s3fs get vs itself (the harness's noise)", per_round("plain get 2", "plain get"),
