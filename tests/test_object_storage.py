@@ -65,7 +65,7 @@ def test_a_rank_killed_mid_upload_leaves_the_previous_step_loadable_exactly(s3_s
     listed = store.fs.find(directory)
     found = newest_good_checkpoint(directory, options)
     assert found == f"{directory}/step-00000001", (found, listed)
-    with store.open_committed(found, _Alone()) as local:
+    with store.local_copy(found) as local:  # every object: verified and converted as files
         assert verify_checkpoint(local)
         dcp_to_torch_save(local, tmp_path / "step1_loaded.pt")
     loaded = torch.load(tmp_path / "step1_loaded.pt", weights_only=False)["model"]
