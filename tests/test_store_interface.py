@@ -2,9 +2,9 @@
 (``store_for`` is the one place that tells a URL from a local path), and what reads Hugging Face weights at a URL
 costs in requests.
 
-Requests are counted where they arrive: a moto S3 server of this module (the same app as ``tests/s3server.py``'s)
-behind a WSGI middleware that records each request with the access key that signed it, so each simulated rank signs
-with a key of its own (``rank0``, ``rank1``; moto accepts any). Two ranks are simulated in this process: rank 0 runs
+Requests are counted where they arrive, by the suite's ledger (``tests/ledger.py``: moto's S3 app behind a middleware
+that records each request with the access key that signed it), each simulated rank signing with a key of its own
+(``rank_key``). Two ranks are simulated in this process: rank 0 runs
 the load with a communicator that records what it broadcasts, then rank 1 runs it with one that hands it those
 values. Nothing here races, so one process shows which rank sends which request; a launch would add seconds.
 """
@@ -15,8 +15,6 @@ import ast
 import contextlib
 import json
 import re
-import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,48 +27,6 @@ import lightning_fsdp
 pytestmark = pytest.mark.single_process
 
 SRC = Path(lightning_fsdp.__file__).parent
-
-
-class Ledger:
-    """moto's S3 app on 127.0.0.1, each request recorded as (access key, method, path, query, Range header)."""
-
-    def __init__(self) -> None:
-        from moto.moto_server.threaded_moto_server import MotoRequestHandler
-        from moto.server import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import make_server
-
-        app = DomainDispatcherApplication(create_backend_app)
-        self.requests: list[tuple[str, str, str, str, str]] = []
-
-        def counted(environ: dict, start_response: Any) -> Any:
-            key = re.search(r"Credential=([^/]+)/", environ.get("HTTP_AUTHORIZATION", ""))
-            self.requests.append((key.group(1) if key else "", environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""),
-                                  environ.get("QUERY_STRING", ""), environ.get("HTTP_RANGE", "")))
-            return app(environ, start_response)
-
-        self._server = make_server("127.0.0.1", 0, counted, True, request_handler=MotoRequestHandler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        host, port = self._server.server_address[:2]
-        self.endpoint = f"http://{host}:{port}"
-
-    def options(self, key: str) -> dict[str, Any]:
-        return {"key": key, "secret": "x", "endpoint_url": self.endpoint,
-                "client_kwargs": {"region_name": "us-east-1"}}
-
-    def of(self, key: str) -> list[tuple[str, str, str, str]]:
-        return [r[1:] for r in self.requests if r[0] == key]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._thread.join()
-
-
-@pytest.fixture(scope="module")
-def ledger():
-    server = Ledger()
-    yield server
-    server.close()
 
 
 class Recording:
@@ -119,15 +75,14 @@ def test_hf_weights_at_a_url_cost_rank_0_one_get_of_the_index_and_the_other_rank
     """Before: every rank HEADed the index twice and read it (a HEAD and a GET), HEADed every file, and read every
     header. Now rank 0 lists the directory (once to see that it holds Hugging Face weights, once for the sizes),
     reads the index once and each header once, and broadcasts; rank 1 sends only ranged GETs of tensor data."""
-    import s3fs
+    from ledger import rank_key
 
     from lightning_fsdp.checkpoint.load import load_checkpoint
 
     torch.manual_seed(0)
     weights = {k: v.detach().clone() for k, v in Tiny().state_dict().items()}
-    setup = s3fs.S3FileSystem(**ledger.options("setup"))
-    bucket = f"hf-{uuid.uuid4().hex[:12]}"
-    setup.call_s3("create_bucket", Bucket=bucket)
+    setup = ledger.filesystem("setup")
+    bucket = ledger.bucket()
     names = {"model-00001-of-00002.safetensors": {"embed.weight": weights["embed.weight"]},
              "model-00002-of-00002.safetensors": {k: v for k, v in weights.items() if k.startswith("fc")}}
     for name, part in names.items():
@@ -136,27 +91,31 @@ def test_hf_weights_at_a_url_cost_rank_0_one_get_of_the_index_and_the_other_rank
     setup.pipe_file(f"{bucket}/llama/model.safetensors.index.json", json.dumps(index).encode())
     url = f"s3://{bucket}/llama"
 
+    def options(rank: int) -> dict[str, Any]:
+        return {"key": rank_key(rank), "secret": "x", "endpoint_url": ledger.endpoint,
+                "client_kwargs": {"region_name": "us-east-1"}}
+
     rank0 = Recording()
     model0 = Tiny()
-    load_checkpoint(url, model0, comm=rank0, storage_options=ledger.options("rank0"))
+    load_checkpoint(url, model0, comm=rank0, storage_options=options(0))
     model1 = Tiny()
-    load_checkpoint(url, model1, comm=Replaying(rank0.sent), storage_options=ledger.options("rank1"))
+    load_checkpoint(url, model1, comm=Replaying(rank0.sent), storage_options=options(1))
     for model in (model0, model1):
         assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
-    index_path = f"/{bucket}/llama/model.safetensors.index.json"
-    first = ledger.of("rank0")
-    assert [r for r in first if r[1] == index_path] == [("GET", index_path, "", "bytes=0-")], first
+    first = [(r.method, r.path, r.query, r.range or "") for r in ledger.records(rank_key(0))]
+    index_path = f"{bucket}/llama/model.safetensors.index.json"
+    assert [r for r in first if r[1] == index_path] == [("GET", index_path, {}, "bytes=0-")], first
     assert not [r for r in first if r[0] == "HEAD"], first
-    lists = [r for r in first if r[1] == f"/{bucket}" or "list-type" in r[2] or "prefix=" in r[2]]
+    lists = [r for r in first if r[1] == bucket]
     assert len(lists) == 2, first  # is_hf_checkpoint's and the load's: the sizes come from the listing
     # Each file: one GET of its header (its first bytes), then the rows.
     for name in names:
-        got = [r for r in first if r[1] == f"/{bucket}/llama/{name}"]
+        got = [r for r in first if r[1] == f"{bucket}/llama/{name}"]
         assert got and all(r[0] == "GET" and r[3].startswith("bytes=") for r in got), got
         assert got[0][3] == f"bytes=0-{len(safetensors_bytes(names[name])) - 1}", got
 
-    second = ledger.of("rank1")
+    second = [(r.method, r.path, r.query, r.range or "") for r in ledger.records(rank_key(1))]
     assert second, "rank 1 read no weights"
     for method, path, query, ranged in second:
         assert method == "GET" and path.endswith(".safetensors") and not query, second

@@ -61,8 +61,9 @@ class Store(Protocol):
     def flush(self, staged: Path) -> None:
         """Make the staged bytes durable before the commit (rank 0)."""
 
-    def commit(self, staged: Target, target: Target, comm: Communicator) -> None:
-        """Collective: make the staged save the checkpoint at ``target``; raises on every rank when any failed."""
+    def commit(self, staged: Target, target: Target, comm: Communicator, commit_order: Any = None) -> None:
+        """Collective: make the staged save the checkpoint at ``target``; raises on every rank when any failed.
+        ``commit_order``: what a convert records (a remote store writes it into its COMMIT)."""
 
     def discard(self, staged: Path, rank: int) -> None:
         """Remove what a failed save staged on this rank."""
