@@ -200,6 +200,7 @@ def test_verify_streams_windows_in_flight_and_fetches_a_failed_window_again_alon
                                                                                    monkeypatch):
     """A shard of 2.5 windows: verified in windows of ``range_size`` with several in flight, and a window the store
     refuses once (503) is asked for again by itself: one request more, not the whole object again."""
+    from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
     from lightning_fsdp.checkpoint.io import remote_errors, transfers
     from lightning_fsdp.checkpoint.io.store import store_for
 
@@ -220,3 +221,8 @@ def test_verify_streams_windows_in_flight_and_fetches_a_failed_window_again_alon
     windows = ["bytes=0-1048575", "bytes=1048576-2097151", f"bytes=2097152-{size}"]  # the last asks one byte more
     assert len(gets) == 4 and sorted(set(ranges)) == windows, ranges  # ranges only, one of them twice
     assert ledger.bytes_out("loader", prefix=shard) <= size + 1024
+    # Cut short below its last window's start (S3 answers that range with 416): damage with the object's real size,
+    # not a store that could not be read.
+    ledger.filesystem(key="setup").pipe_file(shard, ledger.filesystem(key="setup").cat_file(shard, end=1_500_000))
+    with pytest.raises(ChecksumError, match=rf"__0_0.distcp' is damaged: it has 1500000 bytes, its commit records {size}"):
+        store_for(url, LOADER).verify(url)
