@@ -23,7 +23,8 @@ import torch
 
 from launch import launch
 
-_SPEC = importlib.util.spec_from_file_location("streaming_ckpt", Path(__file__).parent / "workers" / "streaming_ckpt.py")
+_SPEC = importlib.util.spec_from_file_location("streaming_ckpt",
+                                               Path(__file__).parent / "workers" / "streaming_ckpt.py")
 streaming_ckpt = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(streaming_ckpt)
 
@@ -216,7 +217,8 @@ def test_each_rank_fetches_at_most_1_1x_its_share_of_shard_bytes(two_ranks):
             if name == "1->2 old":  # no block digests: every rank reads each saved chunk whole (checked exact only)
                 continue
             got = sum(r.bytes_out for r in _gets(records, rank, load["url"]) if r.key.endswith(".distcp"))
-            print(f"{name} rank {rank}: {got} bytes of shard objects, share {load['share']}: {got / load['share']:.3f}x")
+            ratio = got / load["share"]
+            print(f"{name} rank {rank}: {got} bytes of shard objects, share {load['share']}: {ratio:.3f}x")
             assert 0 < got <= 1.1 * load["share"], (name, rank, got, load["share"])
 
 

@@ -117,7 +117,8 @@ def payload_of(fs: Any, url: str, file: str, fqn_prefix: str) -> tuple[int, int,
     for f, offset, start, block, _ in manifest["payloads"]:
         length, name = items[(f, offset)]
         if f == file and name.startswith(fqn_prefix):
-            return offset + start, _payload_start(fs.cat_file(f"{prefix}/{f}", start=offset, end=offset + length))[1], block
+            item = fs.cat_file(f"{prefix}/{f}", start=offset, end=offset + length)
+            return offset + start, _payload_start(item)[1], block
     raise KeyError(fqn_prefix)
 
 

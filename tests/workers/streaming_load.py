@@ -16,7 +16,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from common import full_params, make_fabric, same_tensors

@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 from collections import deque
-from typing import Any, Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from lightning_fsdp.checkpoint.io.remote_errors import damaged, retrying
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
@@ -116,10 +116,12 @@ class _Fetcher:
                     chunk = await body.read(min(_CHUNK, len(view) - count))
                 except Exception as err:  # aiohttp's ClientPayloadError and the like: the connection broke mid-body
                     raise ConnectionError(errno.ECONNRESET, f"the body of {url!r} broke off at byte {start + count}"
-                                          f" of a range to {end} ({type(err).__name__}: {err})") from err
+                                          f" of a range to {end} ({type(err).__name__}: {err}). HINT: a transient"
+                                          " failure, retried from that byte within LFSDP_STORE_TIMEOUT_S") from err
                 if not chunk:  # the connection closed early: transient, the retry goes on from here
                     raise ConnectionError(errno.ECONNRESET, f"the body of {url!r} ended at byte {start + count} of a"
-                                          f" range to {end}")
+                                          f" range to {end}. HINT: a transient failure, retried from that byte within"
+                                          " LFSDP_STORE_TIMEOUT_S")
                 view[count:count + len(chunk)] = chunk
                 count += len(chunk)
                 reached[0] += len(chunk)
@@ -154,11 +156,11 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
             while futures:
                 (name, start, end), future = futures.popleft()
                 body = memoryview(future.result())
-                for request in following:  # keep the window full while this one is consumed
+                _serve(name, start, end, body, pending, assembling)
+                del body  # dropped before the next request starts: at most `window` bodies are alive at once
+                for request in following:
                     futures.append((request, pool.submit(fetcher.get, *request)))
                     break
-                _serve(name, start, end, body, pending, assembling)
-                del body
         except BaseException:
             for _, future in futures:
                 future.cancel()

@@ -51,7 +51,8 @@ class RemoteObjects:
         """The URL of the object ``name`` (one COMMIT names); ``KeyError`` for any other."""
         if name not in self.objects:
             raise KeyError(f"{name!r} is not an object of the checkpoint {self.target!r} (its COMMIT names"
-                           f" {sorted(self.objects)[:8]})")
+                           f" {sorted(self.objects)[:8]}). HINT: its .metadata names a file its COMMIT does not: the"
+                           " checkpoint is damaged; load an earlier one.")
         return join(self.prefix, name)
 
     def size(self, name: str) -> int:
