@@ -96,8 +96,8 @@ def _verify_sharded(objects: Objects) -> bool:
     for info in metadata().storage_data.values():
         by_file.setdefault(info.relative_path, []).append(info)
     for name, infos in sorted(by_file.items()):
-        if name not in objects.names:  # as opening the missing file of a local checkpoint says it
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", objects.where(name))
+        if name not in objects.names:  # as opening the missing file of a local checkpoint says it (OSError picks
+            raise OSError(errno.ENOENT, "No such file or directory", objects.where(name))  # FileNotFoundError)
         cursor = _Cursor(objects.windows(name))
         for info in sorted(infos, key=lambda i: i.offset):
             check = sharded_read._ItemCheck(root, info, manifest)  # noqa: SLF001 - the local check, shared
@@ -132,7 +132,7 @@ def _manifest(objects: Objects, root: _Named, metadata_bytes: bytes,
         raise ChecksumError(f"{str(file)!r} does not record the digests of the checkpoint's files, though it was"
                             f" saved with them (it was edited, or replaced by an older manifest).{DAMAGED_HINT}")
     if save_id_of_metadata() != save_id:
-        raise sharded_read._other_save(root)  # type: ignore[arg-type]  # noqa: SLF001
+        raise _other_save(root)
     return sharded_read._Manifest(table, new_hasher, seed, file)  # type: ignore[arg-type]  # noqa: SLF001
 
 
@@ -161,7 +161,7 @@ def _check_whole_files(objects: Objects, root: _Named, files: dict[str, tuple[in
         if (size, hasher.intdigest()) != tuple(files[name]):
             if name == DCP_METADATA_FILENAME and sharded_read._readable_save_id(  # noqa: SLF001
                     save_id_of_metadata) not in (save_id, None):
-                raise sharded_read._other_save(root)  # type: ignore[arg-type]  # noqa: SLF001
+                raise _other_save(root)
             raise ChecksumError(f"{str(where)!r} does not match the checksum recorded in"
                                 f" {str(root / CHECKSUMS_FILENAME)!r} when the checkpoint was saved (one of the two is"
                                 f" damaged, or copied in from another checkpoint).{DAMAGED_HINT}")
@@ -170,6 +170,13 @@ def _check_whole_files(objects: Objects, root: _Named, files: dict[str, tuple[in
             raise ChecksumError(f"{str(root / entry)!r} is not part of the checkpoint: its save wrote no such shard"
                                 " file (e.g. it was copied in from a checkpoint saved on more ranks). HINT: move it"
                                 " out of the checkpoint directory.")
+
+
+def _other_save(root: _Named) -> ChecksumError:
+    """:func:`.sharded_read._other_save`'s error, for objects."""
+    return ChecksumError(f"{str(root / CHECKSUMS_FILENAME)!r} and {str(root / DCP_METADATA_FILENAME)!r} belong to"
+                         " different saves (their save ids differ): one of them was copied in from another"
+                         f" checkpoint.{DAMAGED_HINT}")
 
 
 # ------------------------------------------------------------------------------------------- torch.save zip files
