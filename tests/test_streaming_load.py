@@ -196,6 +196,12 @@ def two_ranks(ledger_server, tmp_path_factory):
     for name in ("one", "bad"):
         assert streaming_ckpt.add_payloads(fs, urls[name])
     bad = streaming_ckpt.flip_in_rank_1_half(fs, urls["bad"])
+    # Another save's checksums.json (its save id changed), under a COMMIT that matches it: found on every rank
+    # before any shard is read, by the checks that read the skeleton folder.
+    urls["foreign"] = f"s3://{bucket}/one-rank/foreign"
+    streaming_ckpt.upload_folder(fs, folder, urls["foreign"])
+    streaming_ckpt.rewrite_object(fs, urls["foreign"], "checksums.json",
+                                  lambda data: data.replace(b'"save_id": "lightning-fsdp:bound:', b'"save_id": "lightning-fsdp:bound:0'))
     env = {f"LFSDP_TEST_{name.upper()}_URL": url for name, url in urls.items()}
     results = launch("streaming_load.py", 2, tmp_path_factory.mktemp("streaming_load"), **ledger_server.env,
                      LFSDP_TEST_BUCKET=bucket, LFSDP_TEST_BAD_SHARD=bad["shard"],
@@ -241,3 +247,8 @@ def test_ranks_other_than_0_fetch_none_of_the_small_objects(two_ranks):
 def test_a_flipped_byte_in_blocks_one_rank_reads_is_one_error_on_every_rank(two_ranks):
     results, _, _ = two_ranks
     results.check("a_flipped_byte_in_blocks_only_rank_1_reads_is_refused_on_every_rank_naming_the_object")
+
+
+def test_damage_found_in_the_small_objects_names_urls_on_every_rank(two_ranks):
+    results, _, _ = two_ranks
+    results.check("damage_found_in_the_small_objects_names_urls_not_local_folders_on_every_rank")

@@ -154,3 +154,18 @@ def flip_in_rank_1_half(fs: Any, url: str) -> dict:
     data[at] ^= 0x10
     fs.pipe_file(shard, bytes(data))
     return {"shard": shard, "block": (at - start) // block}
+
+
+def rewrite_object(fs: Any, url: str, name: str, change: Any) -> str:
+    """Replace the object ``name`` of the checkpoint at ``url`` by ``change(bytes)`` and COMMIT's record of it to
+    match (damage that only the checkpoint's own checks can find); returns the object's URL."""
+    from lightning_fsdp.checkpoint.formats.commit_record import parse_record
+
+    record = parse_record(fs.cat_file(f"{url}/COMMIT"), url)
+    where = f"{url}/.{record['token']}/{name}"
+    data = change(fs.cat_file(where))
+    fs.pipe_file(where, data)
+    objects = dict(record["objects"])
+    objects[name] = [len(data), xxhash.xxh3_64_intdigest(data) if len(data) < DIGEST_BELOW else None]
+    _commit(fs, url, record["token"], objects, record.get("name") or url.rsplit("/", 1)[-1])
+    return where

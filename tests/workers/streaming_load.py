@@ -116,5 +116,23 @@ def a_flipped_byte_in_blocks_only_rank_1_reads_is_refused_on_every_rank_naming_t
     return {"message": message[:600]}
 
 
+@case
+def damage_found_in_the_small_objects_names_urls_not_local_folders_on_every_rank():
+    """Each rank checks the skeleton in its own temporary folder; the agreed error is one rank's words, and names the
+    checkpoint's URL on every rank, never a folder of this host (the other rank's least of all)."""
+    fabric = make_fabric(WORLD)
+    url = os.environ["LFSDP_TEST_FOREIGN_URL"]
+    target = fabric.setup(_model(1))
+    try:
+        fabric.strategy.load_checkpoint(url, {"model": target}, storage_options=_options(fabric.global_rank))
+    except Exception as err:  # noqa: BLE001  # the agreed error, checked by its words below
+        message = str(err)
+    else:
+        raise AssertionError("a checksums.json of another save loaded without an error")
+    assert f"{url}/checksums.json" in message and "HINT:" in message, message
+    assert "lightning-fsdp-load" not in message, message
+    return {"message": message[:600]}
+
+
 if __name__ == "__main__":
     run_cases()

@@ -350,7 +350,15 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
                 try:
                     yield local
                 except Exception as err:
-                    raise _renamed(err, str(local), target)  # the message names the URL, not the temporary copy
+                    # The message names the URL, not the temporary copy: this rank's, and another rank's (an error
+                    # agreed across ranks carries the words of the rank that failed, whose folder has another name).
+                    import re
+
+                    other = re.compile(r"(?:/[^/'\"\s]+)*/lightning-fsdp-load-h[0-9a-f]{8}-p\d+-[A-Za-z0-9_]+/"
+                                       + re.escape(local.name))
+                    err = _renamed(err, str(local), target)
+                    err.args = tuple(other.sub(target, a) if isinstance(a, str) else a for a in err.args)
+                    raise err
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
