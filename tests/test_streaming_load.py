@@ -200,8 +200,8 @@ def two_ranks(ledger_server, tmp_path_factory):
     # before any shard is read, by the checks that read the skeleton folder.
     urls["foreign"] = f"s3://{bucket}/one-rank/foreign"
     streaming_ckpt.upload_folder(fs, folder, urls["foreign"])
-    streaming_ckpt.rewrite_object(fs, urls["foreign"], "checksums.json",
-                                  lambda data: data.replace(b'"save_id": "lightning-fsdp:bound:', b'"save_id": "lightning-fsdp:bound:0'))
+    bound = b'"save_id": "lightning-fsdp:bound:'
+    streaming_ckpt.rewrite_object(fs, urls["foreign"], "checksums.json", lambda data: data.replace(bound, bound + b"0"))
     env = {f"LFSDP_TEST_{name.upper()}_URL": url for name, url in urls.items()}
     results = launch("streaming_load.py", 2, tmp_path_factory.mktemp("streaming_load"), **ledger_server.env,
                      LFSDP_TEST_BUCKET=bucket, LFSDP_TEST_BAD_SHARD=bad["shard"],
