@@ -356,9 +356,8 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
 
                     other = re.compile(r"(?:/[^/'\"\s]+)*/lightning-fsdp-load-h[0-9a-f]{8}-p\d+-[A-Za-z0-9_]+/"
                                        + re.escape(local.name))
-                    err = _renamed(err, str(local), target)
                     err.args = tuple(other.sub(target, a) if isinstance(a, str) else a for a in err.args)
-                    raise err
+                    raise _renamed(err, str(local), target)
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
