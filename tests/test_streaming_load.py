@@ -145,6 +145,9 @@ def test_a_failure_mid_range_costs_one_more_request_from_the_byte_reached(tmp_pa
         assert second_start == first_start
     for name in SMALL:  # fetched once: the retry was of the one request, not of the whole load
         assert len([r for r in ledger.records(key="r0", method="GET") if r.key.endswith("/" + name)]) <= 1, name
+    # Every object is read by GETs alone (COMMIT gave the sizes), and COMMIT by one HEAD and one GET.
+    heads = [r.key.rsplit("/", 1)[-1] for r in ledger.records(key="r0", method="HEAD")]
+    assert heads == ["COMMIT"], heads
 
 
 @pytest.mark.single_process

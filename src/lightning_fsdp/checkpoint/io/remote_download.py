@@ -29,13 +29,14 @@ def small_names(record: dict[str, Any]) -> list[str]:
 
 
 def fetch_small(fs: Any, target: str, record: dict[str, Any]) -> dict[str, bytes]:
-    """The bytes of :func:`small_names`, each checked against COMMIT's size and digest (one GET each)."""
+    """The bytes of :func:`small_names`, each checked against COMMIT's size and digest: one GET each, of the range
+    COMMIT records (a whole-object read would cost a HEAD first, for its size)."""
     prefix = join(target, "." + record["token"])
     out: dict[str, bytes] = {}
     for name in small_names(record):
         url = join(prefix, name)
-        data = fs.cat_file(url)
         size, digest = record["objects"][name]
+        data = fs.cat_file(url, start=0, end=size) if size else b""
         if len(data) != size:
             raise damaged(url, f"it has {len(data)} bytes, its commit records {size}")
         if digest is not None and xxhash.xxh3_64_intdigest(data) != digest:
