@@ -28,7 +28,6 @@ FIRST = [
     "sharded_save_at_world_4_streams_each_rank_s_own_file",
     "sharded_load_4_to_4_reads_only_each_rank_s_share",
     "full_save_and_load_at_world_4_ranks_other_than_0_download_nothing",
-    "two_directories_of_step_checkpoints_saved_for_latest",
 ]
 WIDE = [
     "latest_over_a_damaged_newest_loads_the_one_before_for_its_partial_read_plus_1_1x",

@@ -2,8 +2,8 @@
 
 Three launches share one bucket and one folder (``LFSDP_SCALE_DIR``), in this order (``LFSDP_SCALE_PHASE``):
 
-- ``first`` (world 4): save C4; load C4 -> 4; a full (one-file) save and load; steps 1 and 2 saved into two
-  directories for ``latest``;
+- ``first`` (world 4): save C4 (and steps 1 and 2 into two directories for ``latest``); load C4 -> 4; a full
+  (one-file) save and load;
 - ``wide`` (world 8): ``latest`` over a damaged newest; save C8; load C8 -> 8 and C4 -> 8; a byte flipped in C4
   where only rank 5 reads it;
 - ``narrow`` (world 4): load C8 -> 4; ``latest`` over a good newest.
@@ -211,7 +211,7 @@ def _small(key: str) -> bool:
 # ----------------------------------------------------------------------------------------------- the checks
 
 
-def _save(name: str, steps: int = 1) -> dict:
+def _save(name: str, steps: int = 1, then=lambda: None) -> dict:
     """A sharded save streams: rank r PUTs only its own ``__<r>_*.distcp`` objects, their bytes once; only rank 0
     PUTs the small objects; TMPDIR holds at most 0.1x the rank's shard meanwhile."""
     fabric = make_fabric(WORLD)
@@ -243,6 +243,7 @@ def _save(name: str, steps: int = 1) -> dict:
     if watch.peak > 0.1 * shard:
         problems.append(f"TMPDIR held {watch.peak} bytes during the save, {figures['tmpdir_ratio']}x the shard"
                         " (target <= 0.1x)")
+    then()  # before any figure fails the case: what later launches need from this one
     return _agree(problems, figures)
 
 
@@ -307,6 +308,25 @@ def _latest(name: str, damaged: bool) -> dict:
     return _agree(problems, figures)
 
 
+def _steps_for_latest() -> None:
+    """``run`` and ``fine`` each get steps 1 and 2 (the same states). The loads through ``latest`` run in the
+    later launches: a process trusts the checkpoints it committed itself (``latest.trust``) and remembers what it
+    verified, so a ``latest`` in this process would not verify at all."""
+    from lightning_fsdp.step_checkpoints import StepCheckpoints
+
+    fabric = make_fabric(WORLD)
+    directories = [StepCheckpoints(fabric, url(name), keep_last=3) for name in ("run", "fine")]
+    for step in (1, 2):
+        model, opt = _setup(fabric, seed=0, steps=step)
+        for checkpoints in directories:
+            checkpoints.save({"model": model, "optimizer": opt, "step": step})
+        expected = _gathered(model, opt)
+        if RANK == 0:
+            torch.save(expected, ROOT / f"expected_step{step}.pt")
+    names = sorted(k.split("/")[1] for k in _objects(url("run")) if k.endswith("/COMMIT"))
+    assert names == ["step-00000001", "step-00000002"], names
+
+
 def _flip(key: str, offset: int) -> None:
     fs = _setup_fs()
     data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
@@ -318,7 +338,8 @@ if PHASE == "first":
 
     @case
     def sharded_save_at_world_4_streams_each_rank_s_own_file():
-        return _save("c4")
+        """Also saves what the later launches' ``latest`` cases read (:func:`_steps_for_latest`)."""
+        return _save("c4", then=_steps_for_latest)
 
     @case
     def sharded_load_4_to_4_reads_only_each_rank_s_share():
@@ -344,26 +365,6 @@ if PHASE == "first":
         if RANK == 0 and got > 1.02 * file_size:
             problems.append(f"rank 0 GET {got} bytes of the file, {figures['ratio']}x (target <= 1.02x)")
         return _agree(problems, figures)
-
-    @case
-    def two_directories_of_step_checkpoints_saved_for_latest():
-        """``run`` and ``fine`` each get steps 1 and 2 (the same states). The loads through ``latest`` run in the
-        later launches: a process trusts the checkpoints it committed itself (``latest.trust``) and remembers what it
-        verified, so a ``latest`` in this process would not verify at all."""
-        from lightning_fsdp.step_checkpoints import StepCheckpoints
-
-        fabric = make_fabric(WORLD)
-        directories = [StepCheckpoints(fabric, url(name), keep_last=3) for name in ("run", "fine")]
-        for step in (1, 2):
-            model, opt = _setup(fabric, seed=0, steps=step)
-            for checkpoints in directories:
-                checkpoints.save({"model": model, "optimizer": opt, "step": step})
-            expected = _gathered(model, opt)
-            if RANK == 0:
-                torch.save(expected, ROOT / f"expected_step{step}.pt")
-        names = sorted(k.split("/")[1] for k in _objects(url("run")) if k.endswith("/COMMIT"))
-        assert names == ["step-00000001", "step-00000002"], names
-        return names
 
 elif PHASE == "wide":
 
