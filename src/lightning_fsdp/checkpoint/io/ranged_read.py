@@ -28,6 +28,7 @@ import errno
 from collections import deque
 from typing import Iterable, Optional
 
+from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.io.remote_errors import damaged, retrying
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
 from lightning_fsdp.checkpoint.io.transfers import transfers
@@ -64,6 +65,22 @@ def coalesce(spans: Iterable[tuple[int, int]], range_size: int) -> list[tuple[in
     return [(s, e) for s, e in requests]
 
 
+class _Cut(CheckpointError):
+    """An object shorter (or longer) than its COMMIT records, found while reading a range of it: damage. A
+    CheckpointError, so the store's retry lets it through at once; :meth:`_Fetcher.get` says it with the real size
+    (``size``, when the answer gave it)."""
+
+    def __init__(self, url: str, size: Optional[int] = None) -> None:
+        super().__init__(f"{url!r} does not have the size its commit records")
+        self.size = size
+
+
+def _total_size(content_range: Optional[str]) -> Optional[int]:
+    """The object's size from a Content-Range header (``bytes 0-99/100``); None when absent or ``*``."""
+    total = (content_range or "").rpartition("/")[2].strip()
+    return int(total) if total.isdigit() else None
+
+
 class _Fetcher:
     def __init__(self, source: RemoteObjects) -> None:
         self.source = source
@@ -79,37 +96,55 @@ class _Fetcher:
 
         def step() -> None:
             if reached[0] < len(buffer):
-                self._read(url, start + reached[0], end, view[reached[0]:], reached)
+                self._read(url, start + reached[0], end, view[reached[0]:], reached, self._committed(name))
 
         retry = self.source.retry or (lambda s: retrying(self.fs, self.source.target, "downloading", s))
-        retry(step)
+        try:
+            retry(step)
+        except _Cut as cut:
+            # Damage, never retried: the same request gets the same short object. Said with its real size, as
+            # verification says it (remote_windows), so `latest` falls back past it.
+            real = cut.size if cut.size is not None else retry(lambda: int(self.fs.size(url)))
+            raise damaged(url, f"it has {real} bytes, its commit records {self._committed(name)}") from cut
         return buffer
 
-    def _read(self, url: str, start: int, end: int, view: memoryview, reached: list[int]) -> None:
+    def _committed(self, name: str) -> int:
+        return self.source.objects[name][0]
+
+    def _read(self, url: str, start: int, end: int, view: memoryview, reached: list[int], committed: int) -> None:
         if self.s3:
             from fsspec.asyn import sync
 
-            sync(self.fs.loop, self._read_s3, url, start, end, view, reached)
+            sync(self.fs.loop, self._read_s3, url, start, end, view, reached, committed)
             return
         data = self.fs.cat_file(url, start=start, end=end)
-        if len(data) != end - start:
-            raise damaged(url, f"a read of its bytes {start}..{end} gave {len(data)} bytes (the object is shorter than"
-                          f" its commit records, {self.source.objects[url.rsplit('/', 1)[-1]][0]} bytes)")
+        if len(data) != end - start:  # the object ends before the range does: shorter than its commit records
+            raise _Cut(url)
         view[:len(data)] = data
         reached[0] += len(data)
 
-    async def _read_s3(self, url: str, start: int, end: int, view: memoryview, reached: list[int]) -> None:
+    async def _read_s3(self, url: str, start: int, end: int, view: memoryview, reached: list[int],
+                       committed: int) -> None:
         bucket, key, version = self.fs.split_path(url)
         extra = {"VersionId": version} if version else {}
         try:
             response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                               **extra)
         except Exception as err:
-            if "InvalidRange" in str(err) or "416" in str(err):  # the object ends before its commit's size
-                raise damaged(url, f"it ends before byte {end}, where its commit records"
-                              f" {self.source.objects[url.rsplit('/', 1)[-1]][0]} bytes") from err
+            # A range that starts at or past the object's end is refused with 416, which s3fs raises as
+            # OSError(EINVAL, 'The requested range is not satisfiable'): the object is shorter than COMMIT records.
+            text = f"{type(err).__name__} {err}".lower()
+            if "invalidrange" in text or "416" in text or "not satisfiable" in text:
+                raise _Cut(url) from err
             raise
         body = response["Body"]
+        # A range that starts inside a cut object is answered with the bytes up to its end (206), and the
+        # Content-Range header gives the object's real size: checked before the short body looks like a dropped
+        # connection (which is retried).
+        total = _total_size(response.get("ContentRange"))
+        if total is not None and total != committed:
+            body.close()
+            raise _Cut(url, total)
         try:
             count = 0
             while count < len(view):
