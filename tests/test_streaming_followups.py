@@ -110,3 +110,49 @@ def test_latest_falls_back_past_a_newest_whose_shard_object_was_cut_short(ledger
     # Damage is not retried: each range of the cut object was asked for once.
     gets = ledger.records("loader", match=f"GET {shard}")
     assert len(gets) == len({r.range for r in gets}), [r.range for r in gets]
+
+
+def test_a_load_that_verified_every_item_spares_retention_a_second_read(ledger, bucket, one_rank, tmp_path,
+                                                                         monkeypatch):
+    """A load of a URL checks every item it reads; when its reads cover every item checksums.json lists, the
+    checkpoint is trusted in this process, and retention's check of it (and `latest`'s search) reads no shard object
+    again (before: retention streamed the whole checkpoint once more)."""
+    from lightning_fsdp.checkpoint import latest
+    from lightning_fsdp.checkpoint.retention import prune
+
+    directory = f"s3://{bucket}/run"
+    _save(tmp_path, f"{directory}/step-00000001", 1.0)
+    _save(tmp_path, f"{directory}/step-00000002", 2.0)
+    newest, _ = _objects(ledger, f"{directory}/step-00000002")
+    monkeypatch.setattr(latest, "_KNOWN", {})  # what the saves' commits taught this process is forgotten
+    assert _value(_load(f"{directory}/step-00000002")) == {2.0}
+    ledger.reset()
+    assert prune(directory, keep_last=1, storage_options=LOADER) == [f"{directory}/step-00000001"]
+    assert latest.newest_good_checkpoint(directory, LOADER) == f"{directory}/step-00000002"
+    shard_gets = ledger.records("loader", match=f"GET {newest}/__0_0.distcp")
+    assert shard_gets == [], [r.range for r in shard_gets]
+
+
+def test_a_load_that_did_not_read_every_item_leaves_the_checkpoint_to_be_verified(ledger, bucket, one_rank, tmp_path,
+                                                                                   monkeypatch):
+    """A load of part of the state (the model alone, from a checkpoint that also holds other tensors) verified only
+    what it read: retention still reads the rest before it counts the checkpoint as good."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fsdp.checkpoint import latest
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+    from lightning_fsdp.checkpoint.load import load_checkpoint
+
+    url = f"s3://{bucket}/run/step-00000001"
+    source = tmp_path / "two.pt"
+    torch.save({"model": {"fc.weight": torch.ones(128, 256), "fc.bias": torch.ones(128)},
+                "other": {"w": torch.ones(64)}}, source)
+    assert run_cli(["convert", source, url, "--to", "sharded"], cwd=tmp_path).returncode == 0
+    prefix, _ = _objects(ledger, url)
+    monkeypatch.setattr(latest, "_KNOWN", {})
+    model = fully_shard(_Model())
+    load_checkpoint(url, {"model": model}, strict=False, comm=OneProcess(), storage_options=LOADER)
+    assert _value(model) == {1.0}
+    ledger.reset()
+    assert latest.verification_failure(url, LOADER) is None
+    assert ledger.records("loader", match=f"GET {prefix}/__0_0.distcp")  # read: it was not trusted unread

@@ -37,25 +37,29 @@ from. The other ranks wait for rank 0's answer in one agreement, so they raise t
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from lightning_fsdp.checkpoint.formats.commit_order import order_key
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import together
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+from lightning_fsdp.checkpoint.integrity.streaming_read import verified_items
 from lightning_fsdp.checkpoint.integrity.stream_verify import entry_names
 from lightning_fsdp.checkpoint.io.remote_errors import (TIMEOUT_VARIABLE, could_not_read, one_budget, retrying,
                                                         store_timeout_s)
+from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.io.remote_windows import CommittedObjects
 from lightning_fsdp.checkpoint.io.store import Target, store_for
 
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
     "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories", "unread_directory",
-    "load_candidates", "fall_back", "Candidates",
+    "load_candidates", "fall_back", "Candidates", "trusted_when_verified",
 ]
 
 LATEST = "latest"
@@ -88,9 +92,7 @@ def _known(path: Target, fact: str, learn, storage_options: Optional[dict] = Non
     # Any other failure to fingerprint (the store did not answer) is raised: learning without it would remember
     # nothing anyway, and asking the store again would double the wait.
     with _KNOWN_LOCK:
-        facts = _KNOWN.get(key)
-        if facts is None or facts["fingerprint"] != fingerprint:
-            facts = _KNOWN[key] = {"fingerprint": fingerprint}
+        facts = _facts(key, fingerprint)
         if fact in facts:
             return facts[fact]
     value = learn(path)
@@ -98,6 +100,18 @@ def _known(path: Target, fact: str, learn, storage_options: Optional[dict] = Non
         if _KNOWN.get(key, {}).get("fingerprint") == fingerprint:
             _KNOWN[key][fact] = value
     return value
+
+
+def _facts(key: str, fingerprint: tuple) -> dict[str, Any]:
+    """(Under the lock.) What is known of the checkpoint ``key`` as ``fingerprint`` shows it; a new record when it
+    changed. A bucket's save that a load verified whole (``"loaded"``: its token) is good as long as COMMIT names it."""
+    facts = _KNOWN.get(key)
+    if facts is None or facts["fingerprint"] != fingerprint:
+        loaded = None if facts is None else facts.get("loaded")
+        facts = _KNOWN[key] = {"fingerprint": fingerprint}
+        if loaded is not None and tuple(fingerprint[:1]) == (loaded,):
+            facts["failure"], facts["loaded"] = None, loaded
+    return facts
 
 
 def commit_order_of(path: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[int]:
@@ -168,10 +182,7 @@ def _learnt(path: Union[str, Path], failure: Optional[BaseException], storage_op
     except Exception:  # noqa: BLE001 - an OSError, or damage of the COMMIT itself: nothing to attach it to
         return
     with _KNOWN_LOCK:
-        facts = _KNOWN.get(str(target))
-        if facts is None or facts["fingerprint"] != fingerprint:
-            facts = _KNOWN[str(target)] = {"fingerprint": fingerprint}
-        facts["failure"] = failure
+        _facts(str(target), fingerprint)["failure"] = failure
 
 
 _UNKNOWN = object()
@@ -182,10 +193,8 @@ def _known_failure(path: Target, storage_options: Optional[dict]) -> Any:
     reading it: ``_UNKNOWN`` when nothing is remembered of it as it is now. One COMMIT read for a URL."""
     fingerprint = store_for(path, storage_options).fingerprint(path)
     with _KNOWN_LOCK:
-        facts = _KNOWN.get(str(path))
-        if facts is not None and facts["fingerprint"] == fingerprint and "failure" in facts:
-            return facts["failure"]
-    return _UNKNOWN
+        facts = _facts(str(path), fingerprint)
+        return facts.get("failure", _UNKNOWN)
 
 
 # The directories whose search for the newest good checkpoint could not read their store, in this process: what is
@@ -448,3 +457,41 @@ def _entries(path: Target, storage_options: Optional[dict]) -> Optional[set[str]
     with contextlib.suppress(ChecksumError):
         return entry_names(objects)
     return None
+
+
+@contextlib.contextmanager
+def trusted_when_verified(path: Target, source: Any, comm, storage_options: Optional[dict] = None) -> Iterator[None]:
+    """Around the load of ``path`` (opened at the local ``source``): when it succeeds and the ranks' streaming readers
+    together checked every item ``checksums.json`` lists against its digest, the checkpoint is remembered as good in
+    this process (rank 0, where retention runs; by its save's token), so that retention does not read it back. Only
+    for a sharded checkpoint in a bucket: one all-reduce (MAX) of one byte per item, in the order every rank shares. Items
+    read only in part (block digests, a resharded load) do not count; a load that did not cover the checkpoint
+    leaves retention to verify it as before."""
+    remote = remote_objects(source)
+    try:
+        yield
+        if remote is None or remote.kind != "sharded" or not (Path(source) / CHECKSUMS_FILENAME).is_file():
+            return  # the same on every rank: the small objects were broadcast
+        noted = verified_items(source)  # None on a rank that read nothing: the keys from the file, none checked
+        keys, mine = noted or (sorted((i[0], i[1]) for i in json.loads((Path(source) / CHECKSUMS_FILENAME)
+                                                                          .read_bytes())["items"]), set())
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu"
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        seen = torch.tensor([key in mine for key in keys], dtype=torch.uint8, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if comm.global_rank == 0 and keys and bool(seen.all()):
+            # Remembered by the save's token, without a request: the next look at the checkpoint reads its COMMIT
+            # anyway (its fingerprint), and finds it good while that COMMIT still names this save.
+            key = str(store_for(path, storage_options).target(path))
+            with _KNOWN_LOCK:
+                facts = _KNOWN.setdefault(key, {"fingerprint": None})
+                facts["loaded"] = remote.prefix.rsplit("/.", 1)[-1]
+                if tuple(facts["fingerprint"] or ())[:1] == (facts["loaded"],):
+                    facts.setdefault("failure", None)  # damage found otherwise (its COMMIT's digests) still counts
+    finally:
+        verified_items(source)  # forgotten, however the load ended

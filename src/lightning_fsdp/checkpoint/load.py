@@ -47,7 +47,7 @@ from lightning_fsdp.checkpoint.io.remote_full import CheckedOnRead, RemoteFullFi
 from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
 from lightning_fsdp.checkpoint.io.store import store_for
-from lightning_fsdp.checkpoint.latest import fall_back, load_candidates
+from lightning_fsdp.checkpoint.latest import fall_back, load_candidates, trusted_when_verified
 from lightning_fsdp.checkpoint.state import SplitState, is_stateful, split_state
 from lightning_fsdp.engine.full_state_load import has_own_load_hooks, load_full_from_rank0
 
@@ -80,7 +80,8 @@ def load_checkpoint(
             return {}
         while True:
             try:
-                with store_for(path, storage_options).open_committed(path, comm) as source:
+                with store_for(path, storage_options).open_committed(path, comm) as source, \
+                        trusted_when_verified(path, source, comm, storage_options):  # retention need not re-read it
                     return _load(source, state, strict, weights_only, comm)
             except ChecksumError as err:  # damage, on every rank alike: `latest` goes on to the one before it
                 path = fall_back(candidates, err, comm, storage_options)

@@ -15,6 +15,10 @@ does not import ``checkpoint.io``). Per DCP ``ReadItem``:
   from ``.metadata``). A region that is not a run of whole rows reads its rows' bounding run.
 
 Anything else (an old checkpoint with no block digests, a byte item, a scalar) is read whole.
+
+Each reader notes which items it checked whole against their digests (:func:`verified_items`): when the ranks of a
+load together checked every item ``checksums.json`` lists, the load has verified the checkpoint as
+``FsspecStore.verify`` would, and ``load_checkpoint`` marks it trusted so that retention does not read it again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -33,12 +39,25 @@ from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.integrity.digests import DAMAGED_HINT, ChecksumError
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, _ItemCheck
 
-__all__ = ["StreamingReader", "parse_payloads", "MIN_BLOCK", "MAX_BLOCK"]
+__all__ = ["StreamingReader", "parse_payloads", "verified_items", "MIN_BLOCK", "MAX_BLOCK"]
 
 MIN_BLOCK, MAX_BLOCK = 64 * 2**10, 16 * 2**20  # the block sizes a save may record (common contract, issue 43)
 
 # fetch(needs): needs are (object name, start, end, consume(memoryview)); every consume is called on this thread.
 Fetch = Callable[[list], None]
+
+# Per skeleton folder (a load's own, new for every load): the items checksums.json lists, in one order every rank
+# shares, and those this process's reader checked whole against their digests.
+_VERIFIED: dict[str, tuple[list[tuple[str, int]], set[tuple[str, int]]]] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def verified_items(path: Union[str, Path]) -> Optional[tuple[list[tuple[str, int]], set[tuple[str, int]]]]:
+    """``(every item checksums.json lists, sorted; the items this process's reader checked whole)`` for the load
+    whose skeleton folder is ``path``, forgotten once asked; None when no reader of it checked digests (a checkpoint
+    saved without them, or no read). A partly read item (some blocks of a resharded load) is not counted."""
+    with _VERIFIED_LOCK:
+        return _VERIFIED.pop(os.path.realpath(os.fspath(path)), None)
 
 
 def parse_payloads(manifest: Any, where: str) -> dict[tuple[str, int], tuple[int, int, list[int]]]:
@@ -86,11 +105,16 @@ class StreamingReader(VerifyingReader):
         self._fetch, self._url_of = fetch, url_of
         self._metadata: Any = None
         self._payloads: Optional[dict] = None
+        self._noted: Optional[tuple[list, set]] = None
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
         self._payloads = None
+        self._noted = None if self._manifest is None else (sorted(self._manifest.items), set())
+        if self._noted is not None:
+            with _VERIFIED_LOCK:
+                _VERIFIED[os.path.realpath(os.fspath(self.path))] = self._noted
 
     def _manifest_url(self) -> str:
         try:
@@ -134,6 +158,8 @@ class StreamingReader(VerifyingReader):
         if check is not None:
             check.hasher.update(view)
             check.finish(len(view))
+            if self._noted is not None:  # every consume runs on the thread that called read_data
+                self._noted[1].add((self.storage_data[item.storage_index].relative_path, check.offset))
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(view))
             return
