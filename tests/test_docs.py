@@ -476,7 +476,6 @@ DEFINITIONS = {
     ("benchmarks.md", "134 MB in fp32"): "the model full_state_load_memory.py builds: 8 * 2048 * 2049 * 4 bytes",
     ("reference/cli.md", "of 8 MiB tensors"): "the tensor size of the model benchmarks/convert_memory.py builds",
     ("reference/cli.md", "with 20 MB shards"): "the shard size test_cli.py's conversion sets",
-    ("guides/object-storage.md", "ranged GETs of 32 MiB"): "remote.py's _RANGE, the size of one ranged read",
     ("guides/troubleshooting.md", "warning after 5 s"): "process_exit.py's _WARN_AFTER_S",
     ("guides/troubleshooting.md", "cap is 2 s"): "process_exit.py's UNVERIFIED_WAIT_S",
 }
@@ -588,35 +587,59 @@ def test_unmarked_figures_are_found():
         "line 1: no command naming tests/test_docs.py shown as code in the paragraph"]  # the path alone runs nothing
 
 
-def test_object_storage_guide_says_the_requests_a_load_makes(s3_server, monkeypatch):
-    """The guide's load sentence is what a load sends to S3, counted by botocore's own event for each request: on
-    COMMIT a HEAD (s3fs asks the size first) and a GET, then one GET per object the COMMIT names, and an object over
-    the read size in ranged GETs of that size (the size is made small here so that the test stays small)."""
-    from lightning_fsdp.checkpoint.io import remote
+def test_object_storage_guide_says_the_requests_a_save_and_a_load_make(ledger, monkeypatch):
+    """The guide's request table is what a sharded save and load of one rank send to S3, counted at the server
+    (tests/ledger.py): a shard of two parts is a multipart upload (create, 2 parts, complete), the three small
+    objects are one PUT each, the commit one LIST and one conditional PUT; the load reads COMMIT, the three small
+    objects by one ranged GET each and the shard by ranged GETs of its items, and never lists or HEADs an object."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fsdp.checkpoint.io import transfers
     from lightning_fsdp.checkpoint.io.one_process import OneProcess
+    from lightning_fsdp.checkpoint.load import load_checkpoint
+    from lightning_fsdp.checkpoint.save import save_checkpoint
 
-    s3_server.setenv(monkeypatch)
-    monkeypatch.setattr(remote, "_RANGE", 4096)
-    url = f"s3://{s3_server.bucket()}/run/step-1"
-    sizes = {".metadata": 100, "__0_0.distcp": 3 * 4096 + 1, "meta.pt": 50, "checksums.json": 60}
-    store = remote.FsspecStore("s3", None)
-    staged = store.staging(url, uuid.uuid4().hex[:12], 0)  # in the shared temporary folder: a token of its own
-    staged.mkdir()
-    for name, size in sizes.items():
-        (staged / name).write_bytes(os.urandom(size))
-    store.commit(staged, url, OneProcess())
+    for key, value in ledger.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(transfers, "_current", transfers.check_transfers(part_size=5 * 2**20))
+    url = f"s3://{ledger.bucket()}/run/step-1"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Linear(1024, 1536, bias=False))  # 6 MiB of weights: two parts of 5 MiB
+        ledger.reset()
+        save_checkpoint(url, {"model": model}, full=False, comm=OneProcess())
+        saved = ledger.records()
+        ledger.reset()
+        other = fully_shard(torch.nn.Linear(1024, 1536, bias=False))
+        load_checkpoint(url, {"model": other}, comm=OneProcess())
+        loaded = ledger.records()
+        assert torch.equal(other.weight.full_tensor(), model.weight.full_tensor())
+    finally:
+        dist.destroy_process_group()
 
-    sent = []
-    reader = remote.FsspecStore("s3", None)  # a client of its own, as a new job has
-    reader.fs.connect()
-    reader.fs.s3.meta.events.register(
-        "before-parameter-build.s3", lambda model, params, **_: sent.append((model.name, params.get("Key", "").rsplit("/")[-1])))
-    with reader.open_committed(url, OneProcess()) as local:
-        assert sorted(p.name for p in local.iterdir()) == sorted(sizes)
-    assert [s for s in sent if s[1] == "COMMIT"] == [("HeadObject", "COMMIT"), ("GetObject", "COMMIT")], sent
-    objects = [s for s in sent if s[1] != "COMMIT"]
-    assert sorted(objects) == sorted([("GetObject", n) for n in sizes if n != "__0_0.distcp"]
-                                     + [("GetObject", "__0_0.distcp")] * 4), sent  # 3 * 4096 + 1 bytes: 4 ranges
+    def leaf(r) -> str:
+        return r.key.rsplit("/", 1)[-1]
+
+    shard = [r for r in saved if leaf(r) == "__0_0.distcp"]
+    part = ("PUT", ("partNumber", "uploadId"))
+    assert sorted((r.method, tuple(sorted(r.query))) for r in shard) == sorted(
+        [("POST", ("uploads",)), part, part, ("POST", ("uploadId",))]), shard  # create, 2 parts, complete
+    small = sorted((r.method, leaf(r)) for r in saved if leaf(r) in (".metadata", "checksums.json", "meta.pt"))
+    assert small == [("PUT", ".metadata"), ("PUT", "checksums.json"), ("PUT", "meta.pt")], small
+    assert [r.method for r in saved if leaf(r) == "COMMIT" and r.method == "PUT"] == ["PUT"]
+    assert not [r for r in loaded if r.method not in ("GET", "HEAD")], loaded
+    assert not [r for r in loaded if r.method == "HEAD" and leaf(r) != "COMMIT"], loaded  # sizes come from COMMIT
+    assert not [r for r in loaded if r.method == "GET" and leaf(r) in (".metadata", "checksums.json", "meta.pt")
+                and r.range is None], loaded
+    for name in (".metadata", "checksums.json", "meta.pt"):
+        assert len([r for r in loaded if leaf(r) == name]) == 1, (name, loaded)
+    ranges = [r for r in loaded if leaf(r) == "__0_0.distcp"]
+    assert ranges and all(r.range for r in ranges), ranges
+    assert sum(r.bytes_out for r in ranges) <= 1.1 * 1536 * 1024 * 4
     guide = " ".join((ROOT / "docs" / "guides" / "object-storage.md").read_text().split())
-    assert "on rank 0, 1 HEAD and 1 GET of `COMMIT`" in guide
-    assert "one GET for every object the `COMMIT` names" in guide and "ranged GETs" in guide
+    assert "1 create, one PUT per part of `part_size`" in guide
+    assert "one ranged GET each of `.metadata`, `checksums.json` and `meta.pt`" in guide
+    assert "ranged GETs of the items it needs" in guide and "no LIST, no HEAD of an object" in guide

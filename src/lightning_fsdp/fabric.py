@@ -103,11 +103,13 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             one call. Keep credentials in the environment or a profile (``{"profile": "name"}``): values under
             secret-looking keys (``key``, ``secret``, ``token``, ...) are shown as ``***`` in the config's repr,
             errors and LightningCLI's config dump, and a ``***`` read back is refused.
-        part_size, parts_in_flight, ranges_in_flight, range_size: how a rank moves checkpoint bytes to and from
-            object storage, per rank (None: the default). A sharded save streams each rank's shard from memory in
-            upload parts of ``part_size`` bytes (default 8 MiB; 5 MiB to 5 GiB), ``parts_in_flight`` at once
-            (default 4), so its upload buffers hold at most ``(parts_in_flight + 1) * part_size``; a load keeps
-            ``ranges_in_flight`` ranged reads (default 8) of at most ``range_size`` bytes (default 32 MiB) in flight.
+        part_size: bytes per upload part when a rank streams its shard from memory to object storage (None: the
+            default, 8 MiB; 5 MiB to 5 GiB). A rank's upload buffers hold at most
+            ``(parts_in_flight + 1) * part_size``.
+        parts_in_flight: upload parts sent at once per object (None: the default, 4).
+        ranges_in_flight: ranged reads at once per rank during a load from object storage (None: the default, 8).
+        range_size: the largest byte range one read asks for; neighbouring ranges merge up to it (None: the
+            default, 32 MiB).
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
