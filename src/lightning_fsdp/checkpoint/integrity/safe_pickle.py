@@ -22,10 +22,13 @@ only what it returns.
 
 from __future__ import annotations
 
+import enum
+import gc
 import io
 import pickle
+import struct
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -91,22 +94,71 @@ class _AllowListUnpickler(pickle._Unpickler):
     whole process. So each of those opcodes checks that its target is an object this unpickler made (a container
     it built, an instance it constructed), never a class, a global or anything a global returned.
 
-    This is Python's own unpickler (``pickle._Unpickler``), the one whose opcodes can be overridden; the C
-    unpickler cannot be told which objects a BUILD may touch. It is slower: a ``.metadata`` of 3,000 tensors
-    (593 kB) took about 170 ms here, against 25 ms with the C unpickler.
+    This is Python's own unpickler (``pickle._Unpickler``), the one whose opcodes can be overridden. The C
+    unpickler cannot keep these guarantees: it cannot be told which objects a BUILD may touch (its BUILD
+    ``setattr``s a state's second half on whatever is on the stack, a class included), and its memo is an array
+    sized by the largest index a PUT names: ``LONG_BINPUT 0x08000000`` in a 10-byte file makes it allocate and zero
+    2 GiB, 0x7fffffff 32 GiB (here the memo is a dict, one entry per PUT).
+
+    What makes the Python unpickler slow is mostly its reads, not the checks: every opcode and every argument went
+    through ``_Unframer.read`` (frame bookkeeping, a length check, then the stream's ``read``), 2.4 million calls
+    for a ``.metadata`` of 3,000 tensors x 8 ranks. The whole file is in memory here, so :meth:`load` reads
+    straight from the in-memory stream and skips FRAME's length (frames only batch the writer's I/O; a frame
+    length says nothing about the objects), and what it made is one dict (id -> object), not a set and a list.
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file: IO[bytes], what: str) -> None:
+    def __init__(self, file: io.BytesIO, what: str) -> None:
         super().__init__(file)
+        self._file = file
         self._what = what
-        self._made: set[int] = set()
-        self._keep: list[Any] = []  # everything in `_made`, alive, so that no other object can take its id
+        # id -> object for everything this unpickler made; holding the object keeps its id from being reused.
+        self._made: dict[int, Any] = {}
 
     def _mark(self, obj: Any) -> None:
-        self._made.add(id(obj))
-        self._keep.append(obj)
+        # Calling an Enum class (REDUCE, NEWOBJ, OBJ, INST: how pickle writes a member) returns its existing member,
+        # a global: `_MEM_FORMAT_ENCODING(0)` then BUILD `{"_value_": 99}` would renumber it for the process.
+        if not isinstance(obj, enum.Enum):
+            self._made[id(obj)] = obj
+
+    def load(self) -> Any:
+        """Unpickle from the in-memory stream, reading it directly (see the class docstring): the same opcodes
+        and checks as ``pickle._Unpickler.load``, without the unframer between each opcode and its bytes."""
+        file = self._file
+        self.read, self.readline, self.readinto = file.read, file.readline, file.readinto
+        self.metastack, self.stack, self.proto = [], [], 0
+        self.append = self.stack.append
+        read, dispatch = file.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError("the pickle ends before its STOP opcode")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:
+            return stop.value
+
+    def _largest_put(self) -> int:
+        """The largest memo index the bytes stored to (-1: none)."""
+        return max(self.memo, default=-1)
+
+    def _load_frame(self) -> None:
+        if len(self.read(8)) != 8:
+            raise EOFError("the pickle ends inside a FRAME opcode's length")
+
+    dispatch[pickle.FRAME[0]] = _load_frame
+
+    def _load_bytearray8(self) -> None:
+        # pickle._Unpickler allocates (and zeroes) the length a BYTEARRAY8 names before reading: 2**40 from a
+        # 20-byte file. Read what is there first, so that the file's size bounds it like every other length.
+        (length,) = struct.unpack("<Q", self.read(8))
+        data = self.read(length)
+        if len(data) != length:
+            raise EOFError(f"a BYTEARRAY8 of {length} bytes, but only {len(data)} follow it")
+        self.append(bytearray(data))
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
 
     def _target(self, obj: Any, opcode: str) -> Any:
         if isinstance(obj, type) or id(obj) not in self._made:
@@ -135,12 +187,21 @@ class _AllowListUnpickler(pickle._Unpickler):
     def _made_by(load: Callable[[Any], None]) -> Callable[[Any], None]:  # type: ignore[misc]
         def made(self: "_AllowListUnpickler") -> None:
             load(self)
-            self._mark(self.stack[-1])
+            obj = self.stack[-1]
+            self._made[id(obj)] = obj
         return made
 
-    for _op in (pickle.EMPTY_DICT, pickle.DICT, pickle.EMPTY_LIST, pickle.LIST, pickle.EMPTY_SET,
-                pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.INST):
+    def _constructed_by(load: Callable[[Any], None]) -> Callable[[Any], None]:  # type: ignore[misc]
+        def constructed(self: "_AllowListUnpickler") -> None:
+            load(self)
+            self._mark(self.stack[-1])
+        return constructed
+
+    # A container opcode always makes a new object; a class called may hand back an existing one (see `_mark`).
+    for _op in (pickle.EMPTY_DICT, pickle.DICT, pickle.EMPTY_LIST, pickle.LIST, pickle.EMPTY_SET):
         dispatch[_op[0]] = _made_by(pickle._Unpickler.dispatch[_op[0]])
+    for _op in (pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.INST):
+        dispatch[_op[0]] = _constructed_by(pickle._Unpickler.dispatch[_op[0]])
 
     def _load_reduce(self) -> None:
         constructs = isinstance(self.stack[-2], type)
@@ -165,7 +226,7 @@ class _AllowListUnpickler(pickle._Unpickler):
                                (pickle.SETITEM, "SETITEM", 2), (pickle.APPENDS, "APPENDS", 0),
                                (pickle.SETITEMS, "SETITEMS", 0), (pickle.ADDITEMS, "ADDITEMS", 0)):
         dispatch[_op[0]] = _checked(pickle._Unpickler.dispatch[_op[0]], _name, _depth)
-    del _op, _name, _depth, _made_by, _checked
+    del _op, _name, _depth, _made_by, _constructed_by, _checked
 
 
 def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False, data: Optional[bytes] = None) -> Any:
@@ -178,7 +239,7 @@ def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False, dat
     if data is None:
         data = Path(path).read_bytes()  # an OSError (missing, unreadable) stays one: it is not about the bytes
     try:
-        metadata = unpickler(io.BytesIO(data), *args).load()
+        metadata = _unpickle(data, unpickler, args)
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - any parse failure of these bytes: KeyError, struct.error, EOFError...
@@ -190,6 +251,56 @@ def load_dcp_metadata(path: Union[str, Path], *, allow_pickle: bool = False, dat
     if problem:
         raise unreadable(path, TypeError(problem))
     return metadata
+
+
+class _CheckedBytesUnpickler(pickle.Unpickler):
+    """The C unpickler, for bytes that :class:`_AllowListUnpickler` has read in full in this process (see
+    :func:`_unpickle`); it keeps the allow-list and the refusal of persistent references all the same."""
+
+    find_class = _AllowListUnpickler.find_class
+    persistent_load = _AllowListUnpickler.persistent_load
+
+    def __init__(self, file: io.BytesIO, what: str) -> None:
+        super().__init__(file)
+        self._what = what
+
+
+# The `.metadata` bytes this process has read with the allow-list (exact bytes, compared in full on a hit), newest
+# last. One load reads the same `.metadata` three to five times (the shared small objects, the shard-file check,
+# DCP's reader, the manifest's save id); after the first, the C unpickler reads it, 10 to 20 times faster.
+_CHECKED: dict[bytes, None] = {}
+_CHECKED_MAX = 4  # a few checkpoints at once (a load, a verify of another); each entry is one `.metadata`
+
+
+def _unpickle(data: bytes, unpickler: type, args: tuple) -> Any:
+    """Unpickle ``data`` with ``unpickler``; with the allow-list, bytes already read in full with it in this process
+    go through the C unpickler instead.
+
+    That is as safe: unpickling is deterministic, so the C unpickler does to the same bytes what the Python one did
+    (the same opcodes on the same kinds of objects, in the same order), and the Python pass showed that none of it
+    names a global outside the list or changes an object it did not make. The one cost the two spend differently is
+    the memo (the C one sizes an array by the largest index): bytes whose largest index is beyond what their own
+    entries need are never cached. Cyclic GC is paused during the parse: the unpickler makes ~100,000s of objects
+    and nothing cyclic, and each full collection it would trigger walks all of them (a quarter of the time on a
+    3.6 MB `.metadata`)."""
+    data = bytes(data)  # a bytearray or memoryview: the cache's key must not change (no copy for bytes)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        if unpickler is not _AllowListUnpickler:
+            return unpickler(io.BytesIO(data), *args).load()
+        if data in _CHECKED:
+            return _CheckedBytesUnpickler(io.BytesIO(data), *args).load()
+        reader = _AllowListUnpickler(io.BytesIO(data), *args)
+        loaded = reader.load()
+        if reader._largest_put() < 2 * len(reader.memo) + 16:
+            _CHECKED[data] = None
+            while len(_CHECKED) > _CHECKED_MAX:
+                del _CHECKED[next(iter(_CHECKED))]
+        return loaded
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _metadata_problem(metadata: Any) -> str:
