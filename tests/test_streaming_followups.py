@@ -156,3 +156,58 @@ def test_a_load_that_did_not_read_every_item_leaves_the_checkpoint_to_be_verifie
     ledger.reset()
     assert latest.verification_failure(url, LOADER) is None
     assert ledger.records("loader", match=f"GET {prefix}/__0_0.distcp")  # read: it was not trusted unread
+
+
+class _Fabric:
+    """What `StepCheckpoints` asks of a Fabric, for one process: its strategy's communicator and storage options, and
+    `load` (the strategy's: `load_checkpoint`)."""
+
+    class strategy:  # noqa: N801 - read as `fabric.strategy`
+        from lightning_fsdp.checkpoint.io.one_process import OneProcess
+
+        communicator = OneProcess()
+
+        @staticmethod
+        def _storage_options(_):
+            return LOADER
+
+    @staticmethod
+    def load(path, state, strict=True):
+        from lightning_fsdp.checkpoint.load import load_checkpoint
+
+        return load_checkpoint(path, state, strict=strict, comm=_Fabric.strategy.communicator,
+                               storage_options=LOADER)
+
+
+def test_resume_from_a_bucket_moves_the_newest_once_and_falls_back_past_damage(ledger, bucket, one_rank, tmp_path):
+    """`StepCheckpoints.resume` of a bucket loads the newest at once, verifying as it reads (before: it streamed the
+    newest to verify it, then loaded it: 2x); a damaged newest is warned about by name and the one before it loaded."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_fsdp.step_checkpoints import StepCheckpoints
+
+    directory = f"s3://{bucket}/run"
+    _save(tmp_path, f"{directory}/step-00000001", 1.0)
+    _save(tmp_path, f"{directory}/step-00000002", 2.0)
+    newest, size = _objects(ledger, f"{directory}/step-00000002")
+    older, older_size = _objects(ledger, f"{directory}/step-00000001")
+    ledger.reset()
+    model = fully_shard(_Model())
+    assert StepCheckpoints(_Fabric, directory).resume({"model": model}) == f"{directory}/step-00000002"
+    assert _value(model) == {2.0}
+    read = ledger.bytes_out("loader", prefix=newest)
+    assert read <= 1.1 * size, (read, size)
+    assert ledger.bytes_out("loader", prefix=older) == 0
+
+    fs = ledger.filesystem(key="setup")
+    shard = f"{newest}/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+    ledger.reset()
+    model = fully_shard(_Model())
+    with pytest.warns(UserWarning, match=rf"Skipping the checkpoint '{directory}/step-00000002': it fails"):
+        assert StepCheckpoints(_Fabric, directory).resume({"model": model}) == f"{directory}/step-00000001"
+    assert _value(model) == {1.0}
+    moved = ledger.bytes_out("loader", prefix=newest) + ledger.bytes_out("loader", prefix=older)
+    assert moved <= 1.1 * (size + older_size), (moved, size, older_size)

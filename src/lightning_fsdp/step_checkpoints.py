@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from lightning_fsdp.checkpoint.integrity.agreement import together
 from lightning_fsdp.checkpoint.io.store import Target, store_for
-from lightning_fsdp.checkpoint.latest import find_newest_on_rank_zero, trust
+from lightning_fsdp.checkpoint.latest import fall_back, find_newest_on_rank_zero, step_candidates, trust
 from lightning_fsdp.checkpoint.retention import check_retention, prune
 
 __all__ = ["StepCheckpoints"]
@@ -113,9 +113,25 @@ class StepCheckpoints:
         """Load the newest good checkpoint (by commit, :meth:`latest`) into ``state`` (in place) and return its
         path; None, and ``state`` untouched, when the directory holds none (a fresh start).
 
+        In a bucket the newest is not verified first (that would move its bytes twice): it is loaded at once, every
+        item checked as it arrives, as ``fabric.load("<dir>/latest", state)`` does. Damage found so is warned about
+        by name and the one committed before it is loaded instead (over what the failed attempt wrote), unless that
+        one lacks entries the failed attempt may have written (a ``ChecksumError`` with a HINT). When every one is
+        damaged, ``state`` may hold some of their values: that is a ``FileNotFoundError``, not a fresh start.
+
         A store that could not be read is an error on every rank (:meth:`latest`), never a fresh start: let it stop
         the job, and requeue it."""
-        found = self.latest()
-        if found is not None:
-            self.fabric.load(found, state, strict=strict)
-        return found
+        if not self._store.remote:  # on local disk, verified first: the second read comes from the page cache
+            found = self.latest()
+            if found is not None:
+                self.fabric.load(found, state, strict=strict)
+            return found
+        comm = self.fabric.strategy.communicator
+        candidates = step_candidates(self.directory, comm, self._options)
+        while candidates:
+            try:
+                self.fabric.load(candidates[0], state, strict=strict)
+                return candidates[0]
+            except Exception as err:  # noqa: BLE001 - damage goes on to the one before; anything else is raised
+                fall_back(candidates, err, comm, self._options)  # none left: the FileNotFoundError of no good one
+        return None

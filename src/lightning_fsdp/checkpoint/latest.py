@@ -19,10 +19,10 @@ does not exist in ``<dir>`` (a real file or link named ``latest`` is loaded as i
 In a bucket (issue 43), verifying the newest checkpoint before loading it would move its bytes twice. So a load of
 ``<dir>/latest`` there takes the candidates from the COMMITs alone, newest first (:func:`load_candidates`), and the
 load itself verifies every item it reads; damage found then is warned about, remembered, and the one committed before
-it is loaded instead (:func:`fall_back`). The newest good checkpoint is moved once; a damaged one costs what was read
-of it. On the local disk the newest is verified first, as before (a second read there comes from the page cache).
-Verification on its own (retention, ``inspect --verify``) streams a bucket's objects: no local copy
-(:meth:`~lightning_fsdp.checkpoint.io.remote.FsspecStore.verify`).
+it is loaded instead (:func:`fall_back`); ``StepCheckpoints.resume`` does the same (:func:`step_candidates`). The
+newest good checkpoint is moved once, and a load that verified every item leaves it known good for retention
+(:func:`trusted_when_verified`). On the local disk the newest is verified first (a second read there comes from the
+page cache). Verification on its own (retention, ``inspect --verify``) streams a bucket's objects: no local copy.
 
 Damaged is not unreadable (issues 42 and 45). Only bytes that were read and found wrong (a checksum that does not
 match, a reader's refusal) make a checkpoint damaged, skipped and remembered. A store that could not be read (a
@@ -44,6 +44,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+import torch
+import torch.distributed as dist
+
 from lightning_fsdp.checkpoint.formats.commit_order import order_key
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import together
@@ -59,7 +62,7 @@ from lightning_fsdp.checkpoint.io.store import Target, store_for
 __all__ = [
     "LATEST", "step_of", "commit_order_of", "step_checkpoints", "verification_failure", "trust",
     "newest_good_checkpoint", "find_newest_on_rank_zero", "resolve_latest", "unread_directories", "unread_directory",
-    "load_candidates", "fall_back", "Candidates", "trusted_when_verified",
+    "load_candidates", "step_candidates", "fall_back", "Candidates", "trusted_when_verified",
 ]
 
 LATEST = "latest"
@@ -166,9 +169,8 @@ def verification_failure(path: Union[str, Path], storage_options: Optional[dict]
 
 
 def trust(path: Union[str, Path], storage_options: Optional[dict] = None) -> None:
-    """Record that the checkpoint at ``path``, as it is now, is good without reading it back: for the
-    checkpoint this process has just committed (it was verified as it was written), so that retention right after
-    its commit does not read it again."""
+    """Record that the checkpoint at ``path``, as it is now, is good without reading it back: for the one this
+    process has just committed (verified as it was written), so that retention right after does not read it again."""
     _learnt(path, None, storage_options)
 
 
@@ -176,9 +178,8 @@ def _learnt(path: Union[str, Path], failure: Optional[BaseException], storage_op
     """Remember what this process found out about the checkpoint at ``path`` as it is now: good (``failure``
     None), or damaged. Best effort: a store that does not answer now leaves nothing remembered."""
     store = store_for(path, storage_options)
-    target = store.target(path)
     try:
-        fingerprint = store.fingerprint(target)
+        fingerprint = store.fingerprint(target := store.target(path))
     except Exception:  # noqa: BLE001 - an OSError, or damage of the COMMIT itself: nothing to attach it to
         return
     with _KNOWN_LOCK:
@@ -193,8 +194,7 @@ def _known_failure(path: Target, storage_options: Optional[dict]) -> Any:
     reading it: ``_UNKNOWN`` when nothing is remembered of it as it is now. One COMMIT read for a URL."""
     fingerprint = store_for(path, storage_options).fingerprint(path)
     with _KNOWN_LOCK:
-        facts = _facts(str(path), fingerprint)
-        return facts.get("failure", _UNKNOWN)
+        return _facts(str(path), fingerprint).get("failure", _UNKNOWN)
 
 
 # The directories whose search for the newest good checkpoint could not read their store, in this process: what is
@@ -204,8 +204,7 @@ _UNREAD: dict[str, str] = {}
 
 
 def _directory_key(directory: Union[str, Path], storage_options: Optional[dict]) -> str:
-    store = store_for(directory, storage_options)
-    return str(store.target(directory))
+    return str(store_for(directory, storage_options).target(directory))
 
 
 def unread_directory(directory: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[str]:
@@ -217,15 +216,13 @@ def unread_directory(directory: Union[str, Path], storage_options: Optional[dict
 
 
 def unread_directories() -> dict[str, str]:
-    """The directories (and why) whose last search for the newest good checkpoint in this process could not read
-    their store."""
+    """The directories (and why) whose last search for their newest good checkpoint here could not read the store."""
     with _KNOWN_LOCK:
         return dict(_UNREAD)
 
 
 def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optional[dict] = None) -> Optional[Target]:
-    """The checkpoint committed last in ``directory`` that passes verification (every checksum), or None when there
-    is none.
+    """The checkpoint committed last in ``directory`` that passes verification (every checksum), or None.
 
     Each one committed later that is damaged (bytes read and found wrong) is skipped with a warning naming it and
     the reason. A store that could not be read is no damage: the search raises (``ConnectionError``, or the
@@ -368,6 +365,14 @@ def load_candidates(path: Union[str, Path], comm, storage_options: Optional[dict
     return Candidates([store.target(entry) for entry in found], latest=path)
 
 
+def step_candidates(directory: Union[str, Path], comm, storage_options: Optional[dict] = None) -> "Candidates":
+    """The committed step checkpoints in a bucket's ``directory``, newest first, as a load of ``<dir>/latest`` tries
+    them (whatever ``<dir>/latest`` holds): the same on every rank, empty when none (``StepCheckpoints.resume``)."""
+    store, key = store_for(directory, storage_options), store_for(directory, storage_options).target(directory)
+    found = _on_rank_zero(key, comm, storage_options, None, lambda: _newest_first(key, storage_options), None)
+    return Candidates([store.target(entry) for entry in found], latest=store.child(key, LATEST))
+
+
 class Candidates(list):
     """The checkpoints a load tries, in order; ``latest``: the ``<dir>/latest`` they stand for (None: a path)."""
 
@@ -400,17 +405,20 @@ def _newest_first(directory: Target, storage_options: Optional[dict]) -> list[st
 
 
 def fall_back(candidates: list[Target], err: BaseException, comm, storage_options: Optional[dict] = None) -> Target:
-    """After the load of ``candidates[0]`` (from :func:`load_candidates`) failed on every rank with ``err``: the next
-    candidate to load (the failed one is removed from the front of the list), or ``err`` raised again.
+    """After the load of ``candidates[0]`` (:func:`load_candidates`, :func:`step_candidates`) failed on every rank
+    with ``err``: the next candidate (the failed one is popped from the list), or an error raised.
 
-    Only the candidates of ``<dir>/latest`` fall back, and only for damage (a :class:`ChecksumError`, never a store
-    that could not be read): the damaged one is warned about (rank 0) and remembered in this process; when none is
-    left, the error is the one of a ``latest`` with no checkpoint that verifies (``FileNotFoundError``). The failed attempt
-    may have written part of the damaged checkpoint into the live tensors already, so the next one is taken only when
-    it holds every tensor entry the damaged one holds (their ``.metadata``, or their zip index: no tensor is read);
-    otherwise the damage is raised with a HINT to load a checkpoint by its path."""
+    Only the candidates of ``<dir>/latest`` fall back, and only for damage (a :class:`ChecksumError`): the damaged one
+    is warned about (rank 0) and remembered; none left: the ``FileNotFoundError`` of a ``latest`` with none that
+    verifies. A store that could not be read is raised as the search raises it (retention there off meanwhile). The
+    failed attempt may have written part of the damaged checkpoint into the live tensors, so the next one is taken
+    only when it holds every tensor entry the damaged one holds (their ``.metadata`` or zip index: no tensor is
+    read); otherwise the damage is raised with a HINT to load a checkpoint by its path."""
     latest = getattr(candidates, "latest", None)
-    if latest is None or not isinstance(err, ChecksumError) or could_not_read(err):
+    if latest is not None and could_not_read(err):  # as the search says it: retention there stays off meanwhile
+        key = _directory_key(store_for(candidates[0], storage_options).parent(candidates[0]), storage_options)
+        raise _unread(key, candidates[0], err) from err
+    if latest is None or not isinstance(err, ChecksumError):
         raise err
     failed = candidates.pop(0)
     directory = store_for(failed, storage_options).parent(failed)
@@ -461,12 +469,10 @@ def _entries(path: Target, storage_options: Optional[dict]) -> Optional[set[str]
 
 @contextlib.contextmanager
 def trusted_when_verified(path: Target, source: Any, comm, storage_options: Optional[dict] = None) -> Iterator[None]:
-    """Around the load of ``path`` (opened at the local ``source``): when it succeeds and the ranks' streaming readers
-    together checked every item ``checksums.json`` lists against its digest, the checkpoint is remembered as good in
-    this process (rank 0, where retention runs; by its save's token), so that retention does not read it back. Only
-    for a sharded checkpoint in a bucket: one all-reduce (MAX) of one byte per item, in the order every rank shares. Items
-    read only in part (block digests, a resharded load) do not count; a load that did not cover the checkpoint
-    leaves retention to verify it as before."""
+    """Around the load of ``path`` (opened at the local ``source``, a sharded checkpoint in a bucket): when it succeeds
+    and the ranks' readers together checked every item ``checksums.json`` lists against its digest (one all-reduce MAX
+    of one byte per item; items read in part do not count), rank 0 remembers it as good, by its save's token, so that
+    retention does not read it back."""
     remote = remote_objects(source)
     try:
         yield
@@ -475,21 +481,17 @@ def trusted_when_verified(path: Target, source: Any, comm, storage_options: Opti
         noted = verified_items(source)  # None on a rank that read nothing: the keys from the file, none checked
         keys, mine = noted or (sorted((i[0], i[1]) for i in json.loads((Path(source) / CHECKSUMS_FILENAME)
                                                                           .read_bytes())["items"]), set())
-        import torch
-        import torch.distributed as dist
-
-        device = "cpu"
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        seen = torch.tensor([key in mine for key in keys], dtype=torch.uint8, device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        nccl = grouped and dist.get_backend() == "nccl"
+        seen = torch.tensor([key in mine for key in keys], dtype=torch.uint8,
+                            device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        if grouped:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
         if comm.global_rank == 0 and keys and bool(seen.all()):
-            # Remembered by the save's token, without a request: the next look at the checkpoint reads its COMMIT
-            # anyway (its fingerprint), and finds it good while that COMMIT still names this save.
-            key = str(store_for(path, storage_options).target(path))
+            # Remembered without a request: the next look at it reads its COMMIT anyway (its fingerprint), and finds
+            # it good while that COMMIT names this save.
             with _KNOWN_LOCK:
-                facts = _KNOWN.setdefault(key, {"fingerprint": None})
+                facts = _KNOWN.setdefault(str(store_for(path, storage_options).target(path)), {"fingerprint": None})
                 facts["loaded"] = remote.prefix.rsplit("/.", 1)[-1]
                 if tuple(facts["fingerprint"] or ())[:1] == (facts["loaded"],):
                     facts.setdefault("failure", None)  # damage found otherwise (its COMMIT's digests) still counts

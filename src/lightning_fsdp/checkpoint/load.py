@@ -38,7 +38,7 @@ from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     remap_requested_keys,
 )
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, Communicator, together, unreadable
-from lightning_fsdp.checkpoint.integrity.digests import ChecksumError, note_unverified
+from lightning_fsdp.checkpoint.integrity.digests import note_unverified
 from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp_metadata, load_file
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
@@ -83,8 +83,8 @@ def load_checkpoint(
                 with store_for(path, storage_options).open_committed(path, comm) as source, \
                         trusted_when_verified(path, source, comm, storage_options):  # retention need not re-read it
                     return _load(source, state, strict, weights_only, comm)
-            except ChecksumError as err:  # damage, on every rank alike: `latest` goes on to the one before it
-                path = fall_back(candidates, err, comm, storage_options)
+            except Exception as err:  # noqa: BLE001 - damage, on every rank alike: `latest` goes on to the one before
+                path = fall_back(candidates, err, comm, storage_options)  # it; anything else is raised
 
 
 def _load(

@@ -70,9 +70,14 @@ class _Cut(CheckpointError):
     CheckpointError, so the store's retry lets it through at once; :meth:`_Fetcher.get` says it with the real size
     (``size``, when the answer gave it)."""
 
-    def __init__(self, url: str, size: Optional[int] = None) -> None:
-        super().__init__(f"{url!r} does not have the size its commit records")
+    def __init__(self, message: str, size: Optional[int] = None) -> None:
+        super().__init__(message)
         self.size = size
+
+
+def _cut(url: str, size: Optional[int] = None) -> _Cut:
+    return _Cut(f"{url!r} does not have the size its commit records. HINT: the checkpoint is damaged; load an earlier"
+                " one", size)
 
 
 def _total_size(content_range: Optional[str]) -> Optional[int]:
@@ -119,7 +124,7 @@ class _Fetcher:
             return
         data = self.fs.cat_file(url, start=start, end=end)
         if len(data) != end - start:  # the object ends before the range does: shorter than its commit records
-            raise _Cut(url)
+            raise _cut(url)
         view[:len(data)] = data
         reached[0] += len(data)
 
@@ -135,7 +140,7 @@ class _Fetcher:
             # OSError(EINVAL, 'The requested range is not satisfiable'): the object is shorter than COMMIT records.
             text = f"{type(err).__name__} {err}".lower()
             if "invalidrange" in text or "416" in text or "not satisfiable" in text:
-                raise _Cut(url) from err
+                raise _cut(url) from err
             raise
         body = response["Body"]
         # A range that starts inside a cut object is answered with the bytes up to its end (206), and the
@@ -144,7 +149,7 @@ class _Fetcher:
         total = _total_size(response.get("ContentRange"))
         if total is not None and total != committed:
             body.close()
-            raise _Cut(url, total)
+            raise _cut(url, total)
         try:
             count = 0
             while count < len(view):
