@@ -317,7 +317,7 @@ class _Head:
     def cat_file(self, url: str, start: int, end: int) -> bytes:
         if end > len(self._head):
             raise ValueError(f"its header length {end - 8} is more than the {_MAX_HEADER} bytes a safetensors header"
-                             " may have")
+                             " may have. HINT: the file is damaged or not a safetensors file; download it again.")
         return self._head[start:end]
 
 
