@@ -27,6 +27,7 @@ import gc
 import io
 import pickle
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -269,6 +270,7 @@ class _CheckedBytesUnpickler(pickle.Unpickler):
 # last. One load reads the same `.metadata` three to five times (the shared small objects, the shard-file check,
 # DCP's reader, the manifest's save id); after the first, the C unpickler reads it, 10 to 20 times faster.
 _CHECKED: dict[bytes, None] = {}
+_CHECKED_LOCK = threading.Lock()
 _CHECKED_MAX = 4  # a few checkpoints at once (a load, a verify of another); each entry is one `.metadata`
 
 
@@ -294,9 +296,10 @@ def _unpickle(data: bytes, unpickler: type, args: tuple) -> Any:
         reader = _AllowListUnpickler(io.BytesIO(data), *args)
         loaded = reader.load()
         if reader._largest_put() < 2 * len(reader.memo) + 16:
-            _CHECKED[data] = None
-            while len(_CHECKED) > _CHECKED_MAX:
-                del _CHECKED[next(iter(_CHECKED))]
+            with _CHECKED_LOCK:  # loads and verifications may run on several threads at once
+                _CHECKED[data] = None
+                while len(_CHECKED) > _CHECKED_MAX:
+                    del _CHECKED[next(iter(_CHECKED))]
         return loaded
     finally:
         if paused:
