@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from lightning_fsdp._base.compat import DCPStorageInfo as _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
