@@ -21,6 +21,7 @@ are not fetched, so not checked either.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import json
 import pickle
@@ -159,7 +160,9 @@ class RemoteFullFile:
         small = [k for k in ("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version")
                  if k in self._records and self._records[k][0].header_offset >= index_info.header_offset
                  and self._records[k][1] - index_info.header_offset <= _INDEX_SPAN]
-        end = max(self._records[k][1] for k in small)
+        # The index's own span counts even when it is alone: an index over _INDEX_SPAN (hundreds of tensors) leaves
+        # `small` empty, and the GET must still cover it.
+        end = max([index_end] + [self._records[k][1] for k in small])
         tail.add(index_info.header_offset, self._get(index_info.header_offset, end))
         self._digests: dict[str, tuple[Callable[[int], Any], int]] = {}
         table = self._records.get(ZIP_CHECKSUMS_RECORD)
@@ -365,7 +368,9 @@ class _Stream:
             held = sum(self._units[i][1] - self._units[i][0] for i in self._pending)
             if self._next > needed and (len(self._pending) >= self._window or held + end - start > self._ahead):
                 return
-            self._pending[self._next] = self._pool.submit(self.file._read, start, end)
+            # In the caller's context: its retry budget (remote_errors.one_budget) bounds these GETs too, rather
+            # than each thread starting a fresh one.
+            self._pending[self._next] = self._pool.submit(contextvars.copy_context().run, self.file._read, start, end)
             self._next += 1
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -405,12 +410,20 @@ class _Stream:
             first_start, first = spans[0]
             at = info.header_offset - first_start
             start = info.header_offset + self.file._data_start(first[at:at + 1024], info)
+            # The local header's lengths may differ from the directory's (which the fits check in `_open` used): the
+            # record's bytes must still lie within its span, and the spans fetched must cover all of them, or part of
+            # `out` would stay uninitialised memory when the file has no checks to catch it.
             out = torch.empty(info.file_size, dtype=torch.uint8)
-            view = out.numpy()
-            for span_start, span in spans:
+            view, covered = out.numpy(), 0  # the spans (disjoint: a plan's units are) copied into `out`
+            for span_start, span in spans if start + info.file_size <= end else ():
                 lo, hi = max(start, span_start), min(start + info.file_size, span_start + len(span))
                 if lo < hi:
                     view[lo - start:hi - start] = memoryview(span)[lo - span_start:hi - span_start]
+                    covered += hi - lo
+            if covered != info.file_size:
+                raise ChecksumError(f"{self.file.target!r} is corrupted: the local header of its record"
+                                    f" {info.filename!r} places its {info.file_size} bytes outside the record's span"
+                                    f" [{info.header_offset}, {end}).{DAMAGED_HINT}")
             self.file.check_record(key, out)
             return out
         except Exception as err:  # noqa: BLE001 - raised by `finish`, on every rank (see the module docstring)
