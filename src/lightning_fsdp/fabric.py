@@ -107,9 +107,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
             default, 8 MiB; 5 MiB to 5 GiB). A rank's upload buffers hold at most
             ``(parts_in_flight + 1) * part_size``.
         parts_in_flight: upload parts sent at once per object (None: the default, 4).
-        ranges_in_flight: ranged reads at once per rank during a load from object storage (None: the default, 8).
+        ranges_in_flight: ranged reads at once per rank during a load from object storage (None: the default, 4).
         range_size: the largest byte range one read asks for; neighbouring ranges merge up to it (None: the
-            default, 32 MiB).
+            default, 8 MiB; a load holds at most about ``ranges_in_flight * range_size`` of bodies).
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.

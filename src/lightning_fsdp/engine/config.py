@@ -345,8 +345,8 @@ MiB = 2**20
 TRANSFER_LIMITS = {
     "part_size": (5 * MiB, 5 * 2**30, 8 * MiB, "bytes per upload part (S3 accepts 5 MiB to 5 GiB)"),
     "parts_in_flight": (1, 64, 4, "upload parts in flight per object"),
-    "ranges_in_flight": (1, 64, 8, "ranged reads in flight per rank"),
-    "range_size": (MiB, 2**30, 32 * MiB, "bytes per ranged read"),
+    "ranges_in_flight": (1, 64, 4, "ranged reads in flight per rank"),
+    "range_size": (MiB, 2**30, 8 * MiB, "bytes per ranged read"),
 }
 
 
