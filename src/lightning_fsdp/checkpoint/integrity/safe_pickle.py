@@ -135,7 +135,7 @@ class _AllowListUnpickler(pickle._Unpickler):
             while True:
                 key = read(1)
                 if not key:
-                    raise EOFError("the pickle ends before its STOP opcode")
+                    raise pickle.UnpicklingError("the pickle ends before its STOP opcode. HINT: the file is cut short or damaged; load an earlier checkpoint.")
                 dispatch[key[0]](self)
         except pickle._Stop as stop:
             return stop.value
@@ -146,7 +146,7 @@ class _AllowListUnpickler(pickle._Unpickler):
 
     def _load_frame(self) -> None:
         if len(self.read(8)) != 8:
-            raise EOFError("the pickle ends inside a FRAME opcode's length")
+            raise pickle.UnpicklingError("the pickle ends inside a FRAME opcode's length. HINT: the file is cut short or damaged; load an earlier checkpoint.")
 
     dispatch[pickle.FRAME[0]] = _load_frame
 
@@ -156,7 +156,8 @@ class _AllowListUnpickler(pickle._Unpickler):
         (length,) = struct.unpack("<Q", self.read(8))
         data = self.read(length)
         if len(data) != length:
-            raise EOFError(f"a BYTEARRAY8 of {length} bytes, but only {len(data)} follow it")
+            raise pickle.UnpicklingError(f"a BYTEARRAY8 of {length} bytes, but only {len(data)} follow it."
+                                          "HINT: the file is cut short or damaged; load an earlier checkpoint.")
         self.append(bytearray(data))
 
     dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
