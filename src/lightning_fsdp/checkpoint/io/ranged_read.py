@@ -24,6 +24,7 @@ filesystem through ``fs.cat_file(url, start, end)``, one request per range. Meas
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import errno
 from collections import deque
 from typing import Iterable, Optional
@@ -183,6 +184,9 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
     if not requests:
         return
     fetcher = _Fetcher(source)
+    # Each request runs in a copy of the caller's context: its retries spend the caller's one budget
+    # (remote_errors.one_budget, opened by the load) instead of a fresh bound per pool thread, so an outage fails
+    # the load within LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
     pending = deque(needs)
     assembling: dict[int, tuple[bytearray, list[int]]] = {}  # id of a need -> (its buffer, [bytes filled])
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(window, len(requests)),
@@ -191,7 +195,7 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
         following = iter(requests)
         try:
             for request in following:
-                futures.append((request, pool.submit(fetcher.get, *request)))
+                futures.append((request, pool.submit(contextvars.copy_context().run, fetcher.get, *request)))
                 if len(futures) >= window:
                     break
             while futures:
@@ -200,7 +204,7 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
                 _serve(name, start, end, body, pending, assembling)
                 del body  # dropped before the next request starts: at most `window` bodies are alive at once
                 for request in following:
-                    futures.append((request, pool.submit(fetcher.get, *request)))
+                    futures.append((request, pool.submit(contextvars.copy_context().run, fetcher.get, *request)))
                     break
         except BaseException:
             for _, future in futures:
