@@ -14,6 +14,11 @@ moves, on every rank from the same tables, so the same error is raised everywher
   state", as ``optimizer.load_state_dict`` does (:func:`never_stepped`).
 - Any ``strict``: a tensor present on both sides must have the same (global) shape; ``strict=False`` skips keys,
   never reshapes.
+
+A requested plain entry (a dict or list of tensors, not a model or optimizer) whose data DCP holds, as a front's
+sharded extras or another tool's ``dcp.save`` keep it, is read into its tensors in place (:func:`plain_leaves`,
+:func:`check_plain`): each tensor must have the saved shape and dtype, a tensor must stand where a tensor was saved,
+and ``strict`` compares the leaves as it compares a model's keys.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["Shapes", "model_shapes", "checkpoint_shapes", "optimizer_names", "saved_state_names", "listed_names",
-           "never_stepped", "sharded_tables", "check_fit"]
+           "never_stepped", "sharded_tables", "check_requested", "check_fit",
+           "Leaves", "plain_leaves", "saved_leaves", "check_plain"]
 
 # A tensor's name -> its global shape; None for a non-tensor entry (it has a name but no shape).
 Shapes = dict[str, Optional[tuple[int, ...]]]
+
+# A plain entry's leaf under DCP's flat name -> (shape, dtype) of a tensor; else, for a value in the state, its type's
+# name, and for one in the checkpoint, None (DCP keeps it pickled).
+Leaves = dict[str, Any]
 
 _SHOWN = 5  # names listed per side; the count says how many there are
 
@@ -78,6 +88,19 @@ def sharded_tables(entries: Mapping[str, Any], prefix: str, optimizer: bool) -> 
     return {flat[len(prefix):]: _shape_of_metadata(meta) for flat, meta in entries.items() if flat.startswith(prefix)}
 
 
+def check_requested(state: Mapping[str, Any], available: Iterable[str], strict: bool) -> None:
+    """Under ``strict``, every key of ``state`` must be in the checkpoint (``available``: its top-level keys)."""
+    if not strict:
+        return
+    available = set(available)
+    missing = [k for k in state if k not in available]
+    if missing:
+        raise KeyError(
+            f"The requested state key {missing[0]!r} is not in the checkpoint. HINT: pass `strict=False` to load the"
+            " keys that are there and skip the rest."
+        )
+
+
 def check_fit(
     source: Path,
     models: Mapping[str, tuple[Shapes, Shapes]],
@@ -110,11 +133,93 @@ def check_fit(
         _check_names(source, key, "optimizer", set() if listed is None else live - saved - listed, saved - live)
 
 
+def plain_leaves(key: str, value: Any) -> Leaves:
+    """The leaves of ``value``, requested under ``key``, by the flat names DCP gives them when it saves it: dicts are
+    walked (``<key>.<dict key>``), and so are lists that hold a tensor or a dict at any depth (``<key>.<index>``);
+    anything else (a tensor, a tuple, a list of numbers) is one leaf."""
+    found: Leaves = {}
+
+    def walk(name: str, item: Any) -> None:
+        if isinstance(item, Mapping):
+            for k, v in item.items():
+                walk(f"{name}.{k}", v)
+        elif isinstance(item, list) and _walked(item):
+            for i, v in enumerate(item):
+                walk(f"{name}.{i}", v)
+        else:
+            found[name] = (tuple(item.shape), item.dtype) if isinstance(item, torch.Tensor) else type(item).__name__
+
+    walk(key, value)
+    return found
+
+
+def saved_leaves(entries: Mapping[str, Any], key: str) -> Leaves:
+    """The leaves DCP's metadata (``{flat name: storage metadata}``) holds for the top-level ``key``."""
+    found: Leaves = {}
+    for flat, meta in entries.items():
+        if flat == key or flat.startswith(key + "."):
+            size = _shape_of_metadata(meta)
+            found[flat] = None if size is None else (size, meta.properties.dtype)
+    return found
+
+
+def check_plain(source: Path, entries: Mapping[str, tuple[Leaves, Leaves]], strict: bool) -> None:
+    """Raise unless each requested plain entry can be read in place. ``entries`` maps each key to (the state's
+    leaves, the checkpoint's): a leaf both have must be a tensor on both sides, of the same shape and dtype, or a
+    value on both sides (the saved value then replaces it); whatever ``strict`` says, since skipping it would leave
+    the state silently unrestored. Under ``strict`` both must have the same leaves."""
+    for key, (live, saved) in entries.items():
+        for name, want in live.items():
+            have = saved.get(name, _ABSENT)
+            under = sorted(n for n in saved if n.startswith(name + "."))
+            over = [n for n in saved if name.startswith(n + ".")]
+            if under or over or (have is not _ABSENT and isinstance(have, tuple) != isinstance(want, tuple)):
+                at = over[0] if over else name
+                held = (f"{len(under)} leaves under it (e.g. {under[0]!r}: {_leaf(saved[under[0]])})" if under
+                        else _leaf(saved[at]))
+                raise ValueError(
+                    f"the entry {key!r} cannot be read into the state in place: the checkpoint {str(source)!r} holds"
+                    f" {held} at {at!r}, the state {_leaf(want) if at == name else 'a dict or list'} there."
+                    f" HINT: pass {key!r} as it was saved, with a tensor of the saved shape and dtype for each tensor"
+                    f" (e.g. `torch.empty(shape, dtype=dtype)`) and any value for the others; {_listing(saved)}."
+                )
+            if isinstance(have, tuple) and have != want:
+                what, saved_v, live_v = ("shape", list(have[0]), list(want[0])) if have[0] != want[0] else (
+                    "dtype", have[1], want[1])
+                raise ValueError(
+                    f"the tensor {name!r} of the entry {key!r} has {what} {saved_v} in the checkpoint"
+                    f" {str(source)!r} but {live_v} in the state. HINT: pass a tensor of {what} {saved_v} there (e.g."
+                    f" `torch.empty({list(have[0])}, dtype={have[1]})`): a plain entry is read into its tensors in"
+                    " place, never reshaped or converted."
+                )
+        if strict:
+            _check_names(source, key, "entry", set(live) - set(saved), set(saved) - set(live))
+
+
+_ABSENT = object()
+
+
+def _walked(items: list) -> bool:  # as DCP decides which lists to walk into when it flattens a state dict
+    return any(isinstance(v, (torch.Tensor, Mapping)) or (isinstance(v, list) and _walked(v)) for v in items)
+
+
+def _leaf(leaf: Any) -> str:
+    if isinstance(leaf, tuple):
+        return f"a tensor of shape {list(leaf[0])} and dtype {leaf[1]}"
+    return "a pickled value, not a tensor" if leaf is None else f"a {leaf}, not a tensor"
+
+
+def _listing(saved: Leaves) -> str:
+    tensors = [f"{n!r}: {list(v[0])} {v[1]}" for n, v in sorted(saved.items()) if isinstance(v, tuple)]
+    shown = ", ".join(tensors[:_SHOWN]) + (", ..." if len(tensors) > _SHOWN else "")
+    return f"the checkpoint's tensors there: {shown}" if tensors else "the checkpoint holds no tensor there"
+
+
 def _check_names(source: Path, key: str, what: str, missing: set[str], unexpected: set[str]) -> None:
     missing, unexpected = sorted(missing), sorted(unexpected)
     if not missing and not unexpected:
         return
-    noun = "keys" if what == "model" else "parameter names"
+    noun = "parameter names" if what == "optimizer" else "keys"
     parts = []
     if missing:
         parts.append(f"missing from the checkpoint: {_few(missing)}")

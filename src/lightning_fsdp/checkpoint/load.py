@@ -131,7 +131,8 @@ def _checkpoint_keys(source: Path, weights_only: Optional[bool], comm: Communica
         if _detect(source):
             meta_file = source / METADATA_FILENAME
             metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-            return _dcp_top_level_keys(source, weights_only) | set(metadata)
+            entries = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only).state_dict_metadata
+            return {fqn.split(".", 1)[0] for fqn in entries} | set(metadata)
         # Memory-mapped, or from a bucket by ranges (the index only): no tensor is read.
         contents, _ = _open_full(source, weights_only)
         return set(contents) if isinstance(contents, dict) else set()
@@ -185,7 +186,11 @@ def _load_sharded(
     together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, weights_only))
     # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
     where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
-    _check_requested(state, {k for k, v in where.items() if v in available}, strict)
+    # Requested plain entries that DCP holds (a front's sharded extras, another tool's `dcp.save`), not meta.pt, are
+    # read into their own tensors in place, with the models; they were skipped, leaving the state as it was.
+    plain = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items() if k not in split.models
+             and k not in split.optimizers and k not in metadata and fit.saved_leaves(entries, k)}
+    fit.check_requested(state, {k for k, v in where.items() if v in available} | set(plain), strict)
     tensors: dict[str, Any] = {where[k]: get_model_state_dict(m) for k, m in split.models.items() if where[k] in available}
     for key, optimizer in split.optimizers.items():
         if where[key] in available:
@@ -196,7 +201,10 @@ def _load_sharded(
     # The parameter names the checkpoint's param groups list are read with the tensors: missing ones are checked then.
     optimizers = {k: (tensors[where[k]], fit.sharded_tables(entries, where[k] + ".", True), None)
                   for k in split.optimizers if where[k] in tensors}
-    together(comm, f"Matching {str(source)!r} to the state", lambda: fit.check_fit(source, models, optimizers, strict))
+    leaves = {k: (fit.plain_leaves(k, v), fit.saved_leaves(entries, k)) for k, v in plain.items()}
+    together(comm, f"Matching {str(source)!r} to the state",
+             lambda: (fit.check_fit(source, models, optimizers, strict), fit.check_plain(source, leaves, strict)))
+    tensors.update(plain)
     live = {k: fit.optimizer_names(v[0]) for k, v in optimizers.items()}  # before the read replaces the groups
     for key, (request, saved, _) in optimizers.items():
         # Only the state the checkpoint holds is read; the parameters it has none for get none (see below).
@@ -220,6 +228,11 @@ def _load_sharded(
             _, saved, listed = optimizers[key]
             _set_optimizer_state(split.owners[key], optimizer, tensors[where[key]], fit.never_stepped(saved, listed),
                                  StateDictOptions(strict=False))
+    for key in plain:  # a pickled leaf came back as a new object: at the top level, it is only in `tensors`
+        if is_stateful(state[key]):
+            state[key].load_state_dict(tensors[key])
+        else:
+            state[key] = tensors[key]
     return _restore_metadata(state, split, metadata)
 
 
@@ -299,7 +312,7 @@ def _load_full(
     remote = verifiers[0] if verifiers and not isinstance(verifiers[0], LoadVerifier) else None
     located = together(comm, f"Reading {str(source)!r}", lambda: locate() if comm.global_rank == 0 else None)
     found, metadata, tables = comm.broadcast(located)
-    _check_requested(state, [*found, *metadata], strict)
+    fit.check_requested(state, [*found, *metadata], strict)
     # Checked on every rank from rank 0's tables, before the state-dict API's broadcasts: a mismatch found there
     # would raise on rank 0 alone (and as an anonymous size error for a shape).
     # A model whose modules rename or reshape entries while loading (litgpt's LoRA layers) is checked by torch
@@ -447,23 +460,6 @@ def _check_shard_files(source: Path, weights_only: bool) -> None:
                 f"the shard file {str(file)!r} is truncated ({actual} bytes, the metadata needs {size}). HINT: the"
                 " checkpoint is damaged; load an earlier one."
             )
-
-
-def _check_requested(state: dict[str, Any], available, strict: bool) -> None:
-    if not strict:
-        return
-    available = set(available)
-    missing = [k for k in state if k not in available]
-    if missing:
-        raise KeyError(
-            f"The requested state key {missing[0]!r} is not in the checkpoint. HINT: pass `strict=False` to load the"
-            " keys that are there and skip the rest."
-        )
-
-
-def _dcp_top_level_keys(path: Path, weights_only: bool) -> set[str]:
-    metadata = load_dcp_metadata(path / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
-    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
 
 
 def _open_full(source: Path, weights_only: bool) -> tuple[Any, Optional[RemoteFullFile]]:

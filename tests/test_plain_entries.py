@@ -1,0 +1,147 @@
+"""Requested plain entries whose data DCP holds are restored (the load skipped them, leaving the state as it was).
+
+A sharded checkpoint keeps a front's sharded extras (the Trainer writes entries holding DTensors through DCP) and
+every entry of another tool's ``dcp.save`` (torchtitan's ``{"model": ..., "train_state": ...}``) in DCP's files,
+not in ``meta.pt``. A plain dict, list or tensor requested under such a key is read into its own tensors in place;
+a pickled leaf is replaced by the saved value; a mismatch is an error naming the key, never a skip.
+
+In this process with one rank (``OneProcess``), local and at a URL of the suite's S3 server; the two-rank case (DTensor
+leaves through ``fabric.load``) runs in the 2-rank pool (``workers/plain_entries.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from launch import case_tests
+
+CASES = ["fabric_load_reads_a_plain_entry_held_by_dcp_into_its_dtensors_and_tensors_in_place"]
+
+results, test_two_ranks = case_tests("plain_entries.py", 2, CASES)
+
+
+def _saved():
+    torch.manual_seed(0)
+    return {"model": {"a": torch.randn(4), "b": [torch.randn(2, 3), torch.randn(5)]},
+            "extra": {"w": torch.randn(3).to(torch.bfloat16), "n": 4}}
+
+
+def _zeros():
+    return {"model": {"a": torch.zeros(4), "b": [torch.zeros(2, 3), torch.zeros(5)]},
+            "extra": {"w": torch.zeros(3, dtype=torch.bfloat16), "n": 0}}
+
+
+def _write(path, tensors, metadata, **options):
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+    from lightning_fsdp.checkpoint.save import write_sharded
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP "assumes" one process: that is the intent here
+        write_sharded(path, tensors, metadata, OneProcess(), **options)
+
+
+def _load(path, state, **kwargs):
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+    from lightning_fsdp.checkpoint.load import load_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_checkpoint(path, state, comm=OneProcess(), **kwargs)
+
+
+def _assert_restored(state, saved):
+    assert torch.equal(state["model"]["a"], saved["model"]["a"]), state
+    assert all(torch.equal(x, y) for x, y in zip(state["model"]["b"], saved["model"]["b"])), state
+    assert torch.equal(state["extra"]["w"], saved["extra"]["w"]) and state["extra"]["n"] == 4, state
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_plain_entry_held_by_dcp_is_read_into_its_own_tensors(where, tmp_path, request):
+    """Old code: the load returned {"step": 1} and left every tensor zero (and "n" 0), saying nothing."""
+    options = {}
+    path = tmp_path / "ck"
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        path = f"s3://{server.bucket()}/plain/ck"
+        options = {"storage_options": {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"}}
+    saved = _saved()
+    _write(path, saved, {"step": 1}, **options)
+    state = _zeros()
+    leaves = [state["model"]["a"], *state["model"]["b"], state["extra"]["w"]]
+    assert _load(path, state, **options) == {"step": 1}
+    _assert_restored(state, saved)
+    # In place: the state's own tensors hold the values (a DTensor or a GPU tensor keeps its layout and device).
+    assert [state["model"]["a"], *state["model"]["b"], state["extra"]["w"]] == leaves
+    assert all(x is y for x, y in zip([state["model"]["a"], *state["model"]["b"], state["extra"]["w"]], leaves))
+
+
+class _TrainState:
+    def __init__(self):
+        self.step, self.losses = 0, torch.zeros(3)
+
+    def state_dict(self):
+        return {"step": self.step, "losses": self.losses}
+
+    def load_state_dict(self, state):
+        self.step, self.losses = state["step"], state["losses"]
+
+
+@pytest.mark.single_process
+def test_another_tools_dcp_checkpoint_loads_into_plain_values_and_stateful_objects(tmp_path):
+    """A plain ``dcp.save`` (no meta.pt, no checksums), as torchtitan writes one. Old code: nothing was restored."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(1)
+    weights, losses = {"w": torch.randn(2, 2)}, torch.tensor([1.0, 2.0, 3.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": weights, "train_state": {"step": 7, "losses": losses}, "scale": torch.tensor(0.5)},
+                 checkpoint_id=tmp_path / "titan", no_dist=True)
+    state = {"model": {"w": torch.zeros(2, 2)}, "train_state": _TrainState(), "scale": torch.tensor(0.0)}
+    assert _load(tmp_path / "titan", state) == {}
+    assert torch.equal(state["model"]["w"], weights["w"]) and state["scale"].item() == 0.5
+    assert state["train_state"].step == 7 and torch.equal(state["train_state"].losses, losses)
+
+
+@pytest.mark.single_process
+def test_a_plain_entry_that_cannot_be_read_in_place_is_a_clear_error(tmp_path):
+    """Old code: each of these loads returned without an error, the state unrestored."""
+    _write(tmp_path / "ck", _saved(), {})
+    cases = [  # (what the state passes under "model", strict, what the error must say)
+        ({"a": torch.zeros(5), "b": [torch.zeros(2, 3), torch.zeros(5)]}, False,
+         r"tensor 'model\.a' of the entry 'model' has shape \[4\] in the checkpoint .* but \[5\] in the state.*HINT"),
+        ({"a": torch.zeros(4, dtype=torch.float64), "b": [torch.zeros(2, 3), torch.zeros(5)]}, True,
+         r"'model\.a' of the entry 'model' has dtype torch\.float32 in the checkpoint .* but torch\.float64.*HINT"),
+        ({"a": 0, "b": [torch.zeros(2, 3), torch.zeros(5)]}, False,
+         r"entry 'model' cannot be read into the state in place: .* holds a tensor of shape \[4\] and dtype"
+         r" torch\.float32 at 'model\.a', the state a int, not a tensor there\. HINT"),
+        (None, False, r"holds 3 leaves under it \(e\.g\. 'model\.a': a tensor of shape \[4\].* at 'model', the state a"
+                      r" NoneType, not a tensor there\. HINT.*'model\.b\.1': \[5\] torch\.float32"),
+        ({"a": {"x": torch.zeros(4)}, "b": [torch.zeros(2, 3), torch.zeros(5)]}, False,
+         r"holds a tensor of shape \[4\] .* at 'model\.a', the state a dict or list there"),
+    ]
+    for value, strict, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _load(tmp_path / "ck", {"model": value}, strict=strict)
+    with pytest.raises(ValueError, match=r"holds a pickled value, not a tensor at 'extra\.n', the state a tensor"):
+        _load(tmp_path / "ck", {"extra": {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.zeros(1)}})
+
+
+@pytest.mark.single_process
+def test_strict_compares_the_leaves_and_strict_false_reads_those_both_have(tmp_path):
+    """Old code: the strict loads returned without an error, and the lenient one left "a" zero."""
+    saved = _saved()
+    _write(tmp_path / "ck", saved, {})
+    fewer = {"a": torch.zeros(4)}
+    with pytest.raises(KeyError, match=r"entry 'model' and the checkpoint .* do not have the same keys \(in the"
+                                       r" checkpoint but not in the entry: 2 \('model\.b\.0', 'model\.b\.1'\)\)"):
+        _load(tmp_path / "ck", {"model": fewer})
+    more = {"a": torch.zeros(4), "c": torch.zeros(1)}
+    with pytest.raises(KeyError, match=r"missing from the checkpoint: 1 \('model\.c'\).*HINT: pass `strict=False`"):
+        _load(tmp_path / "ck", {"model": more})
+    assert _load(tmp_path / "ck", {"model": more}, strict=False) == {}
+    assert torch.equal(more["a"], saved["model"]["a"]) and torch.equal(more["c"], torch.zeros(1))
