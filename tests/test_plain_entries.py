@@ -118,16 +118,17 @@ def test_a_plain_entry_that_cannot_be_read_in_place_is_a_clear_error(tmp_path):
          r"'model\.a' of the entry 'model' has dtype torch\.float32 in the checkpoint .* but torch\.float64.*HINT"),
         ({"a": 0, "b": [torch.zeros(2, 3), torch.zeros(5)]}, False,
          r"entry 'model' cannot be read into the state in place: .* holds a tensor of shape \[4\] and dtype"
-         r" torch\.float32 at 'model\.a', the state a int, not a tensor there\. HINT"),
-        (None, False, r"holds 3 leaves under it \(e\.g\. 'model\.a': a tensor of shape \[4\].* at 'model', the state a"
-                      r" NoneType, not a tensor there\. HINT.*'model\.b\.1': \[5\] torch\.float32"),
+         r" torch\.float32 at 'model\.a', and the state holds a value of type int, not a tensor there\. HINT"),
+        (None, False, r"holds 3 leaves under 'model' \(e\.g\. 'model\.a': a tensor of shape \[4\].*\), and the"
+                      r" state holds a value of type NoneType, not a tensor there\. HINT.*'model\.b\.1': \[5\]"
+                      r" torch\.float32"),
         ({"a": {"x": torch.zeros(4)}, "b": [torch.zeros(2, 3), torch.zeros(5)]}, False,
-         r"holds a tensor of shape \[4\] .* at 'model\.a', the state a dict or list there"),
+         r"holds a tensor of shape \[4\] .* at 'model\.a', and the state holds a dict or list there"),
     ]
     for value, strict, message in cases:
         with pytest.raises(ValueError, match=message):
             _load(tmp_path / "ck", {"model": value}, strict=strict)
-    with pytest.raises(ValueError, match=r"holds a pickled value, not a tensor at 'extra\.n', the state a tensor"):
+    with pytest.raises(ValueError, match=r"a pickled value, not a tensor at 'extra\.n', and the state holds a tensor"):
         _load(tmp_path / "ck", {"extra": {"w": torch.zeros(3, dtype=torch.bfloat16), "n": torch.zeros(1)}})
 
 

@@ -175,11 +175,11 @@ def check_plain(source: Path, entries: Mapping[str, tuple[Leaves, Leaves]], stri
             over = [n for n in saved if name.startswith(n + ".")]
             if under or over or (have is not _ABSENT and isinstance(have, tuple) != isinstance(want, tuple)):
                 at = over[0] if over else name
-                held = (f"{len(under)} leaves under it (e.g. {under[0]!r}: {_leaf(saved[under[0]])})" if under
-                        else _leaf(saved[at]))
+                held = (f"{len(under)} leaves under {at!r} (e.g. {under[0]!r}: {_leaf(saved[under[0]])})" if under
+                        else f"{_leaf(saved[at])} at {at!r}")
                 raise ValueError(
                     f"the entry {key!r} cannot be read into the state in place: the checkpoint {str(source)!r} holds"
-                    f" {held} at {at!r}, the state {_leaf(want) if at == name else 'a dict or list'} there."
+                    f" {held}, and the state holds {_leaf(want) if at == name else 'a dict or list'} there."
                     f" HINT: pass {key!r} as it was saved, with a tensor of the saved shape and dtype for each tensor"
                     f" (e.g. `torch.empty(shape, dtype=dtype)`) and any value for the others; {_listing(saved)}."
                 )
@@ -206,7 +206,7 @@ def _walked(items: list) -> bool:  # as DCP decides which lists to walk into whe
 def _leaf(leaf: Any) -> str:
     if isinstance(leaf, tuple):
         return f"a tensor of shape {list(leaf[0])} and dtype {leaf[1]}"
-    return "a pickled value, not a tensor" if leaf is None else f"a {leaf}, not a tensor"
+    return "a pickled value, not a tensor" if leaf is None else f"a value of type {leaf}, not a tensor"
 
 
 def _listing(saved: Leaves) -> str:
