@@ -7,14 +7,18 @@ bucket: ``.metadata``, ``checksums.json`` and ``meta.pt`` are in the local "skel
 store fetched them), the shards are read through ``fetch`` (the io layer's ranged reads, passed in: this layer
 does not import ``checkpoint.io``). Per DCP ``ReadItem``:
 
-- **whole items**: the item's bytes ``[offset, offset + length)``, checked against its recorded digest *before*
-  anything is unpickled or copied, then ``torch.load`` (torch's allow-list) from memory, narrowed, copied;
-- **part of an item** (a resharded load needs some rows of a saved chunk), when ``checksums.json`` has the
-  ``"payloads"`` key for it (the streaming writer's block digests): only the blocks of the payload that hold the
-  rows needed, each block checked, then copied into the destination straight from the bytes (dtype and chunk shape
-  from ``.metadata``). A region that is not a run of whole rows reads its rows' bounding run.
-
-Anything else (an old checkpoint with no block digests, a byte item, a scalar) is read whole.
+- **items with block digests** (``checksums.json``'s ``"payloads"`` row for the item, the streaming writer's): the
+  tensor's raw bytes (the payload) in pieces of whole blocks, at most ``piece_size`` each; every block is checked
+  against its digest as its piece arrives, then the piece is taken as a flat run of elements (``torch.frombuffer``
+  with the dtype and chunk shape ``.metadata`` records, no unpickling) and its elements that the read wants are
+  copied into the destination, whatever its dtype, strides or device. A read of the whole chunk fetches the whole
+  item and also checks the item digest across the pieces in order (the zip records around the payload); a read of
+  part of it (a resharded load) fetches only the blocks that hold its rows (dimension 0). Nothing item-sized is
+  held: at most the fetch's window and one piece (the previous reader assembled the item, copied it for
+  ``torch.load`` and loaded a third copy: 3x the largest item);
+- **other items** (an old checkpoint with no block digests, an empty tensor, a byte item): the item's bytes
+  ``[offset, offset + length)``, checked against its recorded digest *before* anything is unpickled or copied,
+  then ``torch.load`` (torch's allow-list) reading straight from those bytes, narrowed, copied.
 
 Each reader notes which items it checked whole against their digests (:func:`verified_items`): when the ranks of a
 load together checked every item ``checksums.json`` lists, the load has verified the checkpoint as
@@ -27,6 +31,7 @@ import io
 import json
 import math
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -42,8 +47,13 @@ from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, _I
 __all__ = ["StreamingReader", "parse_payloads", "verified_items", "MIN_BLOCK", "MAX_BLOCK"]
 
 MIN_BLOCK, MAX_BLOCK = 64 * 2**10, 16 * 2**20  # the block sizes a save may record (common contract, issue 43)
+# The most payload bytes one need asks for (whole blocks; one block when a block is larger): the default range_size,
+# so that a piece is served from one request's body, never assembled across requests; consecutive pieces merge into
+# requests of up to range_size at the fetch. With a smaller range_size a piece is assembled, still at most this.
+PIECE = 8 * 2**20
 
-# fetch(needs): needs are (object name, start, end, consume(memoryview)); every consume is called on this thread.
+# fetch(needs): needs are (object name, start, end, consume(memoryview)); every consume is called on this thread,
+# in order of (object name, start): a block read hashes an item's bytes in order across its needs.
 Fetch = Callable[[list], None]
 
 # Per skeleton folder (a load's own, new for every load): the items checksums.json lists, in one order every rank
@@ -96,13 +106,15 @@ class StreamingReader(VerifyingReader):
     """A :class:`VerifyingReader` whose shard bytes come from ``fetch`` by ranges (see the module).
 
     ``url_of(file)``: the object URL of a shard file, for errors. Damage is raised before any byte of the damaged
-    item (or block) is copied into the destination, naming the object's URL and the tensor.
+    item (or block) is copied into the destination, naming the object's URL and the tensor; damage in the zip
+    records around a payload read by blocks, once the item's last byte is in. ``piece_size``: see :data:`PIECE`.
     """
 
     def __init__(self, path: Union[str, Path], *, fetch: Fetch, url_of: Callable[[str], str],
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, piece_size: Optional[int] = None) -> None:
         super().__init__(path, allow_pickle=allow_pickle)
         self._fetch, self._url_of = fetch, url_of
+        self._piece = piece_size or PIECE
         self._metadata: Any = None
         self._payloads: Optional[dict] = None
         self._noted: Optional[tuple[list, set]] = None
@@ -132,7 +144,9 @@ class StreamingReader(VerifyingReader):
         return self._payloads
 
     def read_data(self, plan: Any, planner: Any) -> Future:
-        needs = [self._need(item, planner) for item in plan.items]
+        needs: list = []
+        for item in plan.items:
+            needs += self._needs(item, planner)
         self._fetch(needs)
         future: Future = Future()
         future.set_result(None)
@@ -140,77 +154,37 @@ class StreamingReader(VerifyingReader):
 
     # --- one ReadItem -----------------------------------------------------------------------------------------
 
-    def _need(self, item: Any, planner: Any) -> tuple:
+    def _needs(self, item: Any, planner: Any) -> list:
         sinfo = self.storage_data[item.storage_index]
         check = None
         if self._manifest is not None:
             check = _ItemCheck(Path(self.path), sinfo, self._manifest)  # raises when the records disagree
             # Named by their URLs: the skeleton's path differs on every rank, and the agreed error is one rank's.
             check.where, check.manifest = self._url_of(sinfo.relative_path), self._manifest_url()
-        if item.type != LoadItemType.BYTE_IO:
-            partial = self._partial(item, planner, sinfo, check)
-            if partial is not None:
-                return partial
-        return (sinfo.relative_path, sinfo.offset, sinfo.offset + sinfo.length,
-                lambda view: self._whole(item, planner, view, check))
+        if item.type != LoadItemType.BYTE_IO and check is not None:
+            recorded = self._payload_table().get((sinfo.relative_path, sinfo.offset))
+            if recorded is not None:
+                blocks = _BlockRead.of(self, item, planner, sinfo, check, recorded)
+                if blocks is not None:
+                    return blocks.needs()
+        return [(sinfo.relative_path, sinfo.offset, sinfo.offset + sinfo.length,
+                 lambda view: self._whole(item, planner, view, check))]
 
     def _whole(self, item: Any, planner: Any, view: memoryview, check: Optional[_ItemCheck]) -> None:
         if check is not None:
             check.hasher.update(view)
             check.finish(len(view))
-            if self._noted is not None:  # every consume runs on the thread that called read_data
-                self._noted[1].add((self.storage_data[item.storage_index].relative_path, check.offset))
+            self._note(item, check)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(view))
             return
-        tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        tensor = torch.load(_ViewFile(view), map_location="cpu", weights_only=True)
         _copy(item, planner, _narrow(tensor, item.storage_offsets, item.lengths))
 
-    def _partial(self, item: Any, planner: Any, sinfo: Any, check: Optional[_ItemCheck]) -> Optional[tuple]:
-        """The need for only the blocks of the rows ``item`` reads, or None to read the whole item."""
-        if check is None:
-            return None
-        recorded = self._payload_table().get((sinfo.relative_path, sinfo.offset))
-        if recorded is None:
-            return None
-        chunk, dtype = self._chunk(item)
-        if chunk is None or len(chunk) == 0:
-            return None
-        first, count = int(item.storage_offsets[0]), int(item.lengths[0])
-        if count == 0 or (first == 0 and count == chunk[0]):
-            return None  # every row: the whole item, checked by its own digest
-        start, block, digests = recorded
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        payload = math.prod(chunk) * itemsize
-        if start + payload > sinfo.length or len(digests) != -(-payload // block):
-            raise ChecksumError(f"{check.manifest!r} is not readable (its payloads record, for the tensor"
-                                f" {check.name!r} at byte {sinfo.offset} of {check.where!r}, {len(digests)} blocks of"
-                                f" {block} bytes from byte {start}, where .metadata gives it {payload} bytes in an item"
-                                f" of {sinfo.length}).{DAMAGED_HINT}")
-        row = math.prod(chunk[1:]) * itemsize
-        low, high = first * row, (first + count) * row
-        first_block, end_block = low // block, -(-high // block)
-        begin, end = first_block * block, min(end_block * block, payload)
-        base = sinfo.offset + start
-
-        def consume(view: memoryview) -> None:
-            for index in range(first_block, end_block):
-                piece = view[(index - first_block) * block:min((index + 1 - first_block) * block, len(view))]
-                hasher = self._manifest.hasher()
-                hasher.update(piece)
-                if hasher.intdigest() != digests[index]:
-                    raise ChecksumError(f"{check.where!r} is corrupted: block {index} (bytes {base + index * block} to"
-                                        f" {base + index * block + len(piece)}) of the tensor {check.name!r} does not"
-                                        f" match the checksum recorded in {check.manifest!r} when the"
-                                        f" checkpoint was saved.{DAMAGED_HINT}")
-            rows = view[low - begin:high - begin]
-            tensor = torch.frombuffer(rows, dtype=dtype) if len(rows) else torch.empty(0, dtype=dtype)
-            if tensor.data_ptr() % itemsize:  # an unaligned start in the request's buffer: copy to an aligned one
-                tensor = tensor.clone()
-            tensor = tensor.view(count, *chunk[1:])
-            _copy(item, planner, _narrow(tensor, [0, *item.storage_offsets[1:]], item.lengths))
-
-        return (sinfo.relative_path, base + begin, base + end, consume)
+    def _note(self, item: Any, check: _ItemCheck) -> None:
+        """Count the item as checked whole against its digest (every consume runs on the thread of read_data)."""
+        if self._noted is not None:
+            self._noted[1].add((self.storage_data[item.storage_index].relative_path, check.offset))
 
     def _chunk(self, item: Any) -> tuple[Optional[list[int]], Any]:
         """The saved chunk's shape and dtype, from ``.metadata``; (None, None) when it records none."""
@@ -223,6 +197,200 @@ class StreamingReader(VerifyingReader):
             if list(chunk.offsets) == offset:
                 return list(chunk.sizes), entry.properties.dtype
         return None, None
+
+
+class _BlockRead:
+    """One ReadItem of an item with block digests, read in pieces of whole blocks (see the module).
+
+    The pieces of one read are consumed in order of offset (the fetch's promise), so the item digest of a whole read
+    sees the item's bytes in order: the zip records before the payload, the pieces, the records after it."""
+
+    def __init__(self, reader: StreamingReader, item: Any, planner: Any, sinfo: Any, check: _ItemCheck,
+                 chunk: list[int], dtype: torch.dtype, recorded: tuple[int, int, list[int]]) -> None:
+        self.reader, self.item, self.planner, self.sinfo, self.check = reader, item, planner, sinfo, check
+        self.chunk, self.dtype = chunk, dtype
+        self.start, self.block, self.digests = recorded
+        self.offsets = [int(o) for o in item.storage_offsets]
+        self.lengths = [int(n) for n in item.lengths]
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.payload = math.prod(chunk) * self.itemsize
+        self.whole = self.offsets == [0] * len(chunk) and self.lengths == chunk
+        self.target: Optional[torch.Tensor] = None
+        self.hashed = 0
+
+    @classmethod
+    def of(cls, reader: StreamingReader, item: Any, planner: Any, sinfo: Any, check: _ItemCheck,
+           recorded: tuple[int, int, list[int]]) -> Optional["_BlockRead"]:
+        """The block read of ``item``, or None to read it whole (``.metadata`` records no chunk for it, or the read
+        wants no element). Payload records that do not fit ``.metadata`` are a ``ChecksumError``."""
+        chunk, dtype = reader._chunk(item)
+        if chunk is None or len(item.storage_offsets) != len(chunk) or not all(int(n) for n in item.lengths):
+            return None
+        read = cls(reader, item, planner, sinfo, check, chunk, dtype, recorded)
+        blocks = -(-read.payload // read.block)
+        inside = all(0 <= o and o + n <= c for o, n, c in zip(read.offsets, read.lengths, chunk))
+        if not read.payload or read.start + read.payload > sinfo.length or len(read.digests) != blocks or not inside:
+            if read.whole and inside:
+                # Read whole and unpickled, as the previous reader did with every whole chunk: the row may be right
+                # and .metadata stale (DCP's cached save plan keeps a tensor's old dtype, see _pickled_dtype).
+                return None
+            raise ChecksumError(f"{check.manifest!r} is not readable (its payloads record, for the tensor"
+                                f" {check.name!r} at byte {sinfo.offset} of {check.where!r}, {len(read.digests)} blocks"
+                                f" of {read.block} bytes from byte {read.start}, where .metadata gives it"
+                                f" {read.payload} bytes (shape {chunk}, {dtype}) in an item of {sinfo.length}, read"
+                                f" at {read.offsets} for {read.lengths}).{DAMAGED_HINT}")
+        return read
+
+    def needs(self) -> list:
+        name, item_at = self.sinfo.relative_path, self.sinfo.offset
+        base = item_at + self.start  # the payload's first byte in the object
+        if self.whole:
+            begin, end = 0, self.payload
+        else:  # the blocks holding the rows wanted (dimension 0): their bounding run
+            row = math.prod(self.chunk[1:]) * self.itemsize
+            first, count = self.offsets[0], self.lengths[0]
+            begin = first * row // self.block * self.block
+            end = min(-(-(first + count) * row // self.block) * self.block, self.payload)
+        step = max(self.block, self.reader._piece // self.block * self.block)
+        needs: list = []
+        if self.whole and self.start:
+            needs.append((name, item_at, base, self._head))
+        for low in range(begin, end, step):
+            high = min(low + step, end)
+            needs.append((name, base + low, base + high, lambda view, low=low: self._piece(low, view)))
+        tail = item_at + self.sinfo.length
+        if self.whole and base + self.payload < tail:
+            needs.append((name, base + self.payload, tail, lambda view: (self._hash(view), self._finish())))
+        else:  # the last piece ends the read (a payload at the item's very end: never in a torch.save zip)
+            last = needs[-1]
+            needs[-1] = (*last[:3], lambda view, consume=last[3]: (consume(view), self._finish()))
+        return needs
+
+    def _head(self, view: memoryview) -> None:
+        """The zip records before the payload (the pickle among them), before any piece: a dtype that differs from
+        ``.metadata``'s is the bytes' own (what ``torch.load`` would give), or, of another size, damage."""
+        self._hash(view)
+        pickled = _pickled_dtype(bytes(view))
+        if pickled is None or pickled == self.dtype:
+            return
+        if torch.empty((), dtype=pickled).element_size() != self.itemsize:
+            raise ChecksumError(f"{self.check.where!r} holds the tensor {self.check.name!r} as {pickled}, where its"
+                                f" .metadata records {self.dtype}: .metadata does not describe its bytes.{DAMAGED_HINT}")
+        self.dtype = pickled
+
+    def _hash(self, view: memoryview) -> None:
+        self.check.hasher.update(view)
+        self.hashed += len(view)
+
+    def _piece(self, low: int, view: memoryview) -> None:
+        """Bytes ``[low, low + len(view))`` of the payload: each block checked, then copied where the read wants."""
+        check = self.check
+        for at in range(0, len(view), self.block):
+            part = view[at:at + self.block]
+            hasher = self.reader._manifest.hasher()
+            hasher.update(part)
+            index = (low + at) // self.block
+            if hasher.intdigest() != self.digests[index]:  # before any byte of the block reaches the destination
+                first = self.sinfo.offset + self.start + low + at
+                raise ChecksumError(f"{check.where!r} is corrupted: block {index} (bytes {first} to"
+                                    f" {first + len(part)}) of the tensor {check.name!r} does not match the checksum"
+                                    f" recorded in {check.manifest!r} when the checkpoint was saved.{DAMAGED_HINT}")
+        if self.whole:
+            self._hash(view)
+        if self.target is None:
+            self.target = self.planner.resolve_tensor(self.item).detach()
+            if list(self.target.size()) != self.lengths:
+                raise ChecksumError(f"the checkpoint's piece of {self.item.dest_index.fqn!r} has shape"
+                                    f" {self.lengths}, where the load expects {list(self.target.size())}: its .metadata"
+                                    f" does not describe its bytes.{DAMAGED_HINT}")
+        data = torch.frombuffer(view, dtype=torch.uint8)
+        if data.data_ptr() % self.itemsize:  # the piece starts unaligned in the request's buffer: an aligned copy
+            data = data.clone()
+        _scatter(self.target, data.view(self.dtype), low // self.itemsize, self.chunk, self.offsets)
+
+    def _finish(self) -> None:
+        if self.whole:
+            self.check.finish(self.hashed)  # damage in the zip records around the payload (each block was checked)
+            self.reader._note(self.item, self.check)
+        self.planner.commit_tensor(self.item, self.target)
+
+
+def _scatter(target: torch.Tensor, source: torch.Tensor, first: int, shape: list[int], offsets: list[int]) -> None:
+    """Copy into ``target`` (the box of a row-major tensor of ``shape`` at ``offsets``, of ``target``'s size) the
+    elements of that box among ``source``: the tensor's elements ``[first, first + source.numel())``, flat. Whole rows
+    are one copy; a row cut by the run's ends is handled one dimension down (at most two per dimension)."""
+    if not shape:
+        target.copy_(source.view(()))
+        return
+    inner = math.prod(shape[1:])
+    last = first + source.numel()
+    row, stop = max(offsets[0], first // inner), min(offsets[0] + target.size(0), -(-last // inner))
+    while row < stop:
+        begin = row * inner
+        if begin >= first and begin + inner <= last:
+            end = min(stop, last // inner)  # rows row..end-1 are whole in the run
+            rows = source[begin - first:end * inner - first].view(end - row, *shape[1:])
+            target[row - offsets[0]:end - offsets[0]].copy_(_narrow(rows, [0, *offsets[1:]], [end - row,
+                                                                                             *target.shape[1:]]))
+            row = end
+        else:
+            low, high = max(first, begin), min(last, begin + inner)
+            _scatter(target[row - offsets[0]], source[low - first:high - first], low - begin, shape[1:], offsets[1:])
+            row += 1
+
+
+# The storage a torch.save pickle names (protocol 2, as torch.save writes it): a legacy typed storage, or (torch's
+# newer dtypes) an untyped storage followed by the dtype itself.
+_LEGACY_STORAGE = re.compile(rb"ctorch\n(\w+)Storage\n")
+_UNTYPED_STORAGE = re.compile(rb"ctorch\.storage\nUntypedStorage\n.*?ctorch\n(\w+)\n", re.DOTALL)
+_LEGACY_DTYPES = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "BFloat16": torch.bfloat16,
+                  "Long": torch.int64, "Int": torch.int32, "Short": torch.int16, "Char": torch.int8,
+                  "Byte": torch.uint8, "Bool": torch.bool, "ComplexFloat": torch.complex64,
+                  "ComplexDouble": torch.complex128}
+
+
+def _pickled_dtype(head: bytes) -> Optional[torch.dtype]:
+    """The dtype the pickle in an item's first bytes gives its tensor; None when it cannot tell.
+
+    ``.metadata`` can be wrong about it: DCP's plan cache (the save's ``_CachedPlans``) compares shapes, not dtypes,
+    so a save in the same process after a tensor changed dtype (same shape) records the dtype of the earlier save.
+    The item's own bytes are right, and the previous reader, which unpickled every whole item, loaded them right."""
+    found = _LEGACY_STORAGE.search(head)
+    if found is not None:
+        return _LEGACY_DTYPES.get(found.group(1).decode())
+    found = _UNTYPED_STORAGE.search(head)
+    named = getattr(torch, found.group(1).decode(), None) if found is not None else None
+    return named if isinstance(named, torch.dtype) else None
+
+
+class _ViewFile(io.RawIOBase):
+    """The checked bytes of an item as a read-only file for ``torch.load``, which reads each record into its own
+    memory through ``readinto``: ``io.BytesIO(view)`` would first copy the whole item."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._position = view.cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        count = max(0, min(len(out), len(self._view) - self._position))
+        out[:count] = self._view[self._position:self._position + count]
+        self._position += count
+        return count
 
 
 def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
