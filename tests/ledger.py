@@ -29,7 +29,11 @@ request on the bucket itself):
   through this server completed less than ``younger_than_s`` ago (a listing that lags behind writes);
 - :meth:`Ledger.drop_connection`: the connection is cut after ``after_bytes`` bytes of the body: of the request body
   when the request has one (the server reads that much, then closes the socket without answering), else of the
-  response body (headers and ``after_bytes`` bytes are sent, then the socket is shut).
+  response body (headers and ``after_bytes`` bytes are sent, then the socket is shut);
+- :meth:`Ledger.lose_reply`: the request is applied (moto sees it whole and answers it: an object is written, a
+  multipart upload completed), then the connection is cut before any byte of the answer is sent: the client sees a
+  server that disconnected, as when a reply is lost on the way back. The record keeps moto's status, and its fault
+  says the reply was lost.
 
 One ledger serves the whole session (fixtures ``ledger_server`` and ``ledger`` in ``conftest.py``).
 """
@@ -108,7 +112,7 @@ def matcher(match: Match) -> Callable[[Record], bool]:
 
 @dataclass
 class Rule:
-    kind: str  # "fail", "delay", "hide", "drop"
+    kind: str  # "fail", "delay", "hide", "drop", "lose_reply"
     match: Callable[[Record], bool]
     status: int = 503
     times: Union[int, None] = 1  # None: every matching request
@@ -192,7 +196,7 @@ class _Middleware:
         if path.startswith(CONTROL):
             return self.ledger._control(environ, start_response)
         record = self.ledger._open(environ)
-        fail, drop, hide = None, None, []
+        fail, drop, lose, hide = None, None, None, []
         for rule in self.ledger._rules_now():
             if rule.kind == "hide":
                 hide.append(rule)
@@ -203,6 +207,8 @@ class _Middleware:
                     fail = rule
                 elif rule.kind == "drop" and drop is None:
                     drop = rule
+                elif rule.kind == "lose_reply" and lose is None:
+                    lose = rule
         environ["wsgi.input"] = _CountingInput(environ["wsgi.input"], record)
 
         def recording_start(status, headers, exc_info=None):
@@ -230,6 +236,8 @@ class _Middleware:
             record.bytes_out += len(body)
             record.done = True
             return [body]
+        if lose is not None:
+            return self._reply_lost(environ, record, start_response)
         body = self.app(environ, recording_start)
         listing = record.method == "GET" and not record.key and any(q in record.query for q in ("list-type", "prefix"))
         if hide and listing:
@@ -253,6 +261,27 @@ class _Middleware:
                 body.close()
             record.done = True
             self.ledger._written(record)
+
+    def _reply_lost(self, environ, record: Record, start_response):
+        """Let moto apply the request and build its whole answer, then cut the connection before sending any of it."""
+        def keeping(status, headers, exc_info=None):
+            record.status = int(status.split(None, 1)[0])
+            return lambda data: None  # moto never uses write()
+
+        body = self.app(environ, keeping)
+        try:
+            for _ in body:  # moto's side effects are done when its answer is built; nothing of it is sent
+                pass
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+        record.fault = f"applied (moto answered {record.status}), then the connection was cut before the reply"
+        record.done = True
+        self.ledger._written(record)
+        _cut(environ)
+        # Werkzeug must be given a status; writing it to the shut socket fails, and werkzeug drops the connection.
+        start_response("500 Internal Server Error", [("Content-Length", "0")])
+        return []
 
     def _hidden(self, body: Iterable[bytes], record: Record, rules: list[Rule]):
         try:
@@ -395,6 +424,11 @@ class Ledger:
 
     def drop_connection(self, match: Match, after_bytes: int, times: Union[int, None] = 1, nth: int = 1) -> Rule:
         return self._add(Rule("drop", matcher(match), after_bytes=after_bytes, times=times, nth=nth))
+
+    def lose_reply(self, match: Match, times: Union[int, None] = 1, nth: int = 1) -> Rule:
+        """Apply the ``nth`` matching request (and the ``times - 1`` after it), then cut the connection before its
+        answer: the store did what was asked, and the client cannot know."""
+        return self._add(Rule("lose_reply", matcher(match), times=times, nth=nth))
 
     def stop(self) -> None:
         self._server.shutdown()
