@@ -7,7 +7,10 @@ told. Each store spells the version and the precondition in its own way (S3: the
 
 - :func:`version_of`: the version of the object at ``url`` now (None when there is none);
 - :func:`put_if`: write ``payload`` at ``url`` only if its version is still ``version`` (None: only if absent);
-  a lost race is ``FileExistsError`` naming the path.
+  a lost race is ``FileExistsError`` naming the path. A refusal whose object holds exactly ``payload`` is no lost
+  race but this write itself, applied by an earlier attempt whose answer was lost (a retry of ours, or the client's
+  own: gcsfs and the Azure SDK retry a request whose connection was cut); ``payload`` names its save's token and
+  time, so no other save writes the same bytes. So a caller may send it again after a failure it could not read.
 
 GCS (the generation with ``ifGenerationMatch``, :mod:`.conditional_gcs`) and Azure (the ETag with ``If-Match`` /
 ``If-None-Match: *``, :mod:`.conditional_azure`) have branches of their own. A store without conditional writes here
@@ -22,7 +25,7 @@ import time
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import conditional_azure, conditional_gcs
-from lightning_fsdp.checkpoint.io.remote_errors import lost_write
+from lightning_fsdp.checkpoint.io.remote_errors import lost_write, transient
 from lightning_fsdp.checkpoint.io.urls import fresh_info
 
 __all__ = ["version_of", "put_if", "supports_conditions", "lost_race", "store_of", "UNTESTED"]
@@ -79,7 +82,30 @@ def version_of(fs: Any, url: str) -> Optional[str]:
 
 
 def put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
-    """Write ``payload`` at ``url`` only if the object there is still at ``version`` (None: only if there is none)."""
+    """Write ``payload`` at ``url`` only if the object there is still at ``version`` (None: only if there is none).
+    Sent again after an attempt whose answer was lost, it succeeds when that attempt was applied (see the module)."""
+    try:
+        _put_if(fs, url, payload, version)
+    except FileExistsError:
+        if _holds(fs, url, payload):
+            return
+        raise
+
+
+def _holds(fs: Any, url: str, payload: bytes) -> bool:
+    """Whether the object at ``url`` is exactly ``payload`` (a COMMIT: a few kB, read only after a refusal)."""
+    fs.invalidate_cache(url)
+    try:
+        return fs.cat_file(url) == payload
+    except FileNotFoundError:
+        return False
+    except Exception as err:  # noqa: BLE001
+        if transient(err):
+            raise  # cannot tell yet: the caller's retry sends it again, and asks again
+        return False  # unreadable here: the refusal stands, as before
+
+
+def _put_if(fs: Any, url: str, payload: bytes, version: Optional[str]) -> None:
     store = store_of(fs)
     if store is not None:
         warn_untested(store)

@@ -11,6 +11,14 @@ through its file object. :mod:`.sink` decides what to send and when; this module
   :func:`.remote_errors.retrying` spends it (a request that got no answer spends its wait, each backoff its sleep),
   so the whole upload fails within the bound when the store stops answering. The budget is passed in, not read from
   the context: the requests run on the loop's thread, where the caller's context variables are not visible.
+- **A lost reply is no conflict**: a store may apply a request whose answer never arrives (the connection is cut on
+  the way back). Sent again, the conditional PUT or complete is then refused (412: the object is there now; a store
+  that forgot the completed upload: 404 ``NoSuchUpload``), by our own object. So such a refusal is checked with a
+  HEAD: the object is ours when it carries this upload's own mark (``x-amz-meta-lfsdp-upload``, a random value sent
+  with its PUT or its multipart create) and the size we sent; only otherwise is it another writer's
+  (:func:`~.remote_errors.lost_write`). Every refusal is checked, not only one of our own retries: aiohttp resends
+  a PUT once by itself when a reused connection breaks and its body can be replayed, so the attempt that was
+  applied may not be one we counted (a real conflict costs one HEAD more).
 - **Other stores** (:class:`FileUpload`): ``fs.open(url, "wb", block_size=part_size)``, written in order, one part
   at a time (gcsfs and adlfs upload their blocks as the buffer fills). Still nothing on local disk.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import remote_errors
@@ -27,6 +36,7 @@ from lightning_fsdp.checkpoint.io.remote_errors import explain, lost_write, tran
 __all__ = ["Budget", "S3Upload", "FileUpload", "PartBody", "is_s3"]
 
 PIECE = 2**20  # bytes handed to the socket at once from a part buffer (what aiohttp and asyncio copy, at most)
+MARK = "lfsdp-upload"  # the user metadata (x-amz-meta-...) that tells this upload's object from any other writer's
 
 
 def is_s3(fs: Any) -> bool:
@@ -60,15 +70,19 @@ class S3Upload:
         self.budget = budget or Budget()
         self.upload_id: Optional[str] = None
         self.requests = 0  # sent, retries included (what a test counts)
+        self.mark = uuid.uuid4().hex  # this upload's own, on the object it makes (see the module: a lost reply)
+        self._sizes: dict[int, int] = {}  # part number -> bytes, for the size a completed object must have
 
     @property
     def loop(self) -> Any:
         return self.fs.loop
 
-    async def _request(self, method: str, body: Any = None, **kwargs: Any) -> Any:
+    async def _request(self, method: str, body: Any = None, *, size: Optional[int] = None, **kwargs: Any) -> Any:
         """One request, again after a transient failure (with backoff) while the budget allows, then the error that
         names the URL, what was being done, the attempts and the bound. ``body``: the bytes to send, each attempt
-        reading them afresh through a :class:`PartBody` (never copied)."""
+        reading them afresh through a :class:`PartBody` (never copied). ``size``: for a conditional request that
+        makes the object, its size: a refusal is then an earlier attempt's success when the object there is ours
+        (:meth:`_ours`)."""
         budget, attempt, first = self.budget, 0, time.monotonic()
         while True:
             attempt += 1
@@ -79,8 +93,14 @@ class S3Upload:
             try:
                 return await self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
             except Exception as err:  # noqa: BLE001 - transient ones are retried, the rest said with the URL
-                if _codes(err) & {"PreconditionFailed", "412"}:
-                    raise lost_write(self.url) from err  # If-None-Match on a key that exists: not ours to replace
+                codes = _codes(err)
+                exists = bool(codes & {"PreconditionFailed", "412"})  # If-None-Match on a key that exists
+                # A complete sent again after it landed: the store may have forgotten the upload it completed.
+                forgotten = method == "complete_multipart_upload" and bool(codes & {"NoSuchUpload", "404"})
+                if size is not None and (exists or forgotten) and await self._ours(size):
+                    return {}  # an earlier attempt of this request was applied; only its answer was lost
+                if exists:
+                    raise lost_write(self.url) from err  # not ours to replace
                 now = time.monotonic()
                 unanswered = min(now - started, budget.per_request)
                 budget.spent += unanswered
@@ -97,21 +117,33 @@ class S3Upload:
                 raise explain(err, self.url, "uploading to", attempts=attempt, seconds=time.monotonic() - first,
                               bound=budget.bound) from err
 
+    async def _ours(self, size: int) -> bool:
+        """Whether the object at the key now is the one this upload made: its mark and the size sent. A HEAD
+        retried like any request; no object (removed meanwhile, or never made) is not ours."""
+        try:
+            head = await self._request("head_object")
+        except FileNotFoundError:
+            return False
+        return (head.get("Metadata") or {}).get(MARK) == self.mark and head.get("ContentLength") == size
+
     async def put_whole(self, data: Any) -> None:
         """The whole object in one PUT, only if no object is at its key."""
-        await self._request("put_object", body=data, IfNoneMatch="*")
+        await self._request("put_object", body=data, size=memoryview(data).nbytes, IfNoneMatch="*",
+                            Metadata={MARK: self.mark})
 
     async def create(self) -> None:
-        answer = await self._request("create_multipart_upload")
+        answer = await self._request("create_multipart_upload", Metadata={MARK: self.mark})
         self.upload_id = answer["UploadId"]
 
     async def put_part(self, number: int, data: Any) -> dict[str, Any]:
         """Part ``number`` (from 1); ``data`` is kept by the caller until this returns, so a retry resends it."""
+        self._sizes[number] = memoryview(data).nbytes
         answer = await self._request("upload_part", body=data, UploadId=self.upload_id, PartNumber=number)
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     async def complete(self, parts: list[dict[str, Any]]) -> None:
-        await self._request("complete_multipart_upload", UploadId=self.upload_id,
+        size = sum(self._sizes[p["PartNumber"]] for p in parts)
+        await self._request("complete_multipart_upload", size=size, UploadId=self.upload_id,
                             MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
                             IfNoneMatch="*")
 
