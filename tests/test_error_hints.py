@@ -39,7 +39,7 @@ RELAYS = {
     # Re-raises of a built-in error's message: why that message has a hint.
     ("checkpoint/convert.py", "_check_destination", "UsageError"):
         "`atomic.check_replaceable`'s IsADirectoryError and FileExistsError carry a HINT (both stores)",
-    ("checkpoint/io/remote.py", "open_committed", "_renamed"):
+    ("checkpoint/io/remote.py", "_open_committed", "_renamed"):
         "re-raises the caught error itself, its message's temporary local path replaced by the URL",
     ("checkpoint/io/writers.py", "write_safetensors", "UsageError"):
         "`safetensors_layout.ordered`'s TypeError for a dtype safetensors lacks carries a HINT",

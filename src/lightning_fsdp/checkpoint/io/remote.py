@@ -112,6 +112,8 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
                     errno.ENOENT, f"{target!r} holds no committed checkpoint (no {COMMIT_NAME} object there: nothing"
                     " was saved, or the save did not finish). HINT: pass the URL a save wrote, or an earlier"
                     " checkpoint.")
+            if record.get("kind") == "sharded":
+                remote_download.check_sharded(record, target)  # as a load refuses it, before anything is read
             objects = CommittedObjects(self.fs, target, record,
                                        retry=lambda step: self._retrying(target, "downloading", step))
             return verify_objects(objects)
@@ -304,7 +306,16 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
         each rank's own byte ranges of them. One GET per small object in all, whatever the world size.
         A full checkpoint: nothing is fetched here; ``local`` is the file's place (never written), registered the
         same way, and the one rank that reads the file reads it by ranges (:mod:`.remote_full`), the others nothing.
-        ``whole=True`` (a local copy for inspect, convert and verify) downloads every object."""
+        ``whole=True`` (a local copy for inspect, convert and verify) downloads every object.
+
+        One retry budget (:func:`.remote_errors.one_budget`) for all that the load asks of the store: COMMIT, the
+        small objects and every ranged GET, those in flight on pool threads too (they run in a copy of this
+        context), so an outage fails the load within ``LFSDP_STORE_TIMEOUT_S``, not once per request."""
+        with one_budget(), self._open_committed(path, comm, whole) as local:
+            yield local
+
+    @contextlib.contextmanager
+    def _open_committed(self, path: Union[str, Path], comm: Communicator, whole: bool) -> Iterator[Path]:
         from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects, registered
 
         target = self.target(path)
@@ -321,11 +332,13 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
                 raise FileNotFoundError(errno.ENOENT, f"{target!r} holds no committed checkpoint (no"
                                         f" {COMMIT_NAME} object there: nothing was saved, or the save did not finish)."
                                         " HINT: pass the URL a save wrote, or an earlier checkpoint.")
+            if record.get("kind") == "sharded":
+                # Before anything is fetched, on rank 0: raised on every rank (`together`), so `latest` falls back
+                # past a COMMIT that names what no save writes, or gives a small object more than any save writes.
+                remote_download.check_sharded(record, target)
             if not whole and record.get("kind") == "full":
                 return record, {}  # nothing fetched here: the reading rank reads the file by ranges (remote_full)
-            # A sharded record naming no `.metadata` is no DCP checkpoint that ranges could be read from: fetched
-            # whole, as before, so its load says what it is.
-            if whole or record.get("kind") != "sharded" or ".metadata" not in record["objects"]:
+            if whole or record.get("kind") != "sharded":
                 return record, None
             return record, self._retrying(target, "downloading",
                                           lambda: remote_download.fetch_small(self.fs, target, record))

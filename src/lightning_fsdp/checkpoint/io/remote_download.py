@@ -1,5 +1,11 @@
 """The download side of a load from object storage: the objects a COMMIT names, fetched into a load's own folder,
-each destination checked before the first byte is fetched, each size (and small object's digest) checked after."""
+each destination checked before the first byte is fetched, each size (and small object's digest) checked after.
+
+A COMMIT in a bucket is untrusted input (anyone who can write one object there can write it), and a sharded load
+fetches its small objects whole, on rank 0, and hands their bytes to every rank. So before anything is fetched,
+:func:`check_sharded` holds a sharded record to what a save writes: ``.metadata``, ``checksums.json``, ``meta.pt``
+(the small objects) and shard files (``*.distcp``, read by ranges), nothing else, and each small object at most
+:data:`MAX_SMALL_BYTES`. Anything else is a damaged checkpoint, said on every rank alike, so ``latest`` falls back."""
 
 from __future__ import annotations
 
@@ -10,27 +16,66 @@ from typing import Any
 
 import xxhash
 
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.io.remote_errors import damaged
 from lightning_fsdp.checkpoint.io.urls import join
 
-__all__ = ["download", "RANGE", "SHARD_SUFFIX", "small_names", "fetch_small", "write_skeleton"]
+__all__ = ["download", "RANGE", "SHARD_SUFFIX", "SMALL_NAMES", "MAX_SMALL_BYTES", "check_sharded", "small_names",
+           "fetch_small", "write_skeleton"]
 
 SHARD_SUFFIX = ".distcp"  # a sharded checkpoint's shard files: read by ranges, never fetched whole by a load
+# The objects of a sharded checkpoint other than its shard files: what a save writes (`layout.foreign_entries` says
+# the same of a local folder); a load fetches them whole, once.
+SMALL_NAMES = (DCP_METADATA_FILENAME, CHECKSUMS_FILENAME, METADATA_FILENAME)
+# The most bytes each small object may have: above what any save that can be loaded writes, and the most a crafted
+# COMMIT makes a load fetch (rank 0) and hand to every rank. Measured per chunk (a tensor's piece saved by one rank):
+# `.metadata` ~145 B; `checksums.json` ~210 B plus ~21 B per block digest (one per 64 KiB of the chunk, at most 64).
+# 100,000 tensors (parameters and optimizer states) of 1,000 ranks, each split over a shard group of 64 (HSDP, or
+# FSDP with tensor parallelism): 6.4M chunks, ~0.9 GB of `.metadata` (4 GiB: 28M chunks); `checksums.json` ~1.7 GB
+# for 1 TB of state (3 digests a chunk), at most ~9.9 GB (64 a chunk, past 27 TB; 16 GiB: 11M such chunks).
+# Every tensor split over all 1,000 ranks (100M chunks, ~14 GB of `.metadata`) is beyond what DCP plans and what
+# every rank can unpickle. `meta.pt` holds the state that is neither model nor optimizer, loaded whole by every rank.
+MAX_SMALL_BYTES = {DCP_METADATA_FILENAME: 4 * 2**30, CHECKSUMS_FILENAME: 16 * 2**30, METADATA_FILENAME: 4 * 2**30}
 
 RANGE = 32 * 2**20  # larger objects are read in ranges of this size, in parallel
 _RANGE = RANGE
 
 
+def check_sharded(record: dict[str, Any], target: str) -> None:
+    """Refuse a sharded record that names what no save writes, names no ``.metadata``, or gives a small object more
+    than :data:`MAX_SMALL_BYTES`: a ``ChecksumError`` naming ``<target>/COMMIT``, before any object is fetched."""
+    from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME
+
+    objects = record["objects"]
+    commit = join(target, COMMIT_NAME)
+    others = sorted(n for n in objects if n not in SMALL_NAMES and not n.endswith(SHARD_SUFFIX))
+    if others:
+        shown = ", ".join(repr(n) for n in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise damaged(commit, f"it names {shown}, which no save writes into a sharded checkpoint (only"
+                      f" {', '.join(repr(n) for n in SMALL_NAMES)} and shard files '*{SHARD_SUFFIX}'), so nothing of"
+                      " it was fetched")
+    if DCP_METADATA_FILENAME not in objects:
+        raise damaged(commit, f"it names no {DCP_METADATA_FILENAME!r}, which every sharded save writes, so no shard"
+                      " was fetched")
+    for name in SMALL_NAMES:
+        size = objects.get(name, (0, None))[0]
+        if size > MAX_SMALL_BYTES[name]:
+            raise damaged(commit, f"it gives {name!r} {size:,} bytes, more than the {MAX_SMALL_BYTES[name] // 2**30}"
+                          " GiB that any loadable save writes there (a save of 100,000 tensors in 64 chunks each"
+                          " writes at most 1 GB of .metadata and 10 GB of checksums.json), so it was not fetched")
+
+
 def small_names(record: dict[str, Any]) -> list[str]:
-    """The objects of a sharded checkpoint that a load fetches whole, once (rank 0): everything but its shard files
-    (``.metadata``, ``checksums.json``, ``meta.pt``). Shard files are not, even small ones that COMMIT gives a
+    """The objects of a sharded checkpoint that a load fetches whole, once (rank 0): those of ``.metadata``,
+    ``checksums.json`` and ``meta.pt`` that COMMIT names. Shard files are not, even small ones that COMMIT gives a
     digest: each rank reads only its own ranges of them."""
-    return sorted(n for n in record["objects"] if not n.endswith(SHARD_SUFFIX))
+    return sorted(n for n in SMALL_NAMES if n in record["objects"])
 
 
 def fetch_small(fs: Any, target: str, record: dict[str, Any]) -> dict[str, bytes]:
     """The bytes of :func:`small_names`, each checked against COMMIT's size and digest: one GET each, of the range
     COMMIT records (a whole-object read would cost a HEAD first, for its size)."""
+    check_sharded(record, target)
     prefix = join(target, "." + record["token"])
     out: dict[str, bytes] = {}
     for name in small_names(record):

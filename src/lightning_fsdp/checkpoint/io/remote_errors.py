@@ -23,6 +23,7 @@ import contextvars
 import errno
 import math
 import os
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -94,6 +95,17 @@ class _Budget:
         self.bound = store_timeout_s()
         self.per_request = request_timeout_s(self.bound)
         self.spent = 0.0
+        # The requests of one load run on several threads (ranged_read, remote_windows, remote_full) and share this
+        # budget: the lock keeps their updates whole, and time that several of them failed through together counts
+        # once (a window of 4 in one outage would otherwise spend the bound 4 times as fast as the clock).
+        self._lock = threading.Lock()
+        self._until = -math.inf
+
+    def spend(self, start: float, end: float) -> None:
+        """Count the failed time ``[start, end]``, less what an interval counted before already covered."""
+        with self._lock:
+            self.spent += max(0.0, end - max(start, self._until))
+            self._until = max(self._until, end)
 
 
 _SHARED: contextvars.ContextVar[Optional[_Budget]] = contextvars.ContextVar("lfsdp_store_budget", default=None)
@@ -128,15 +140,16 @@ def retrying(fs: Any, target: str, what: str, step: Callable[[], Any]) -> Any:
             # A request that got no answer waited at most `per_request` for it; one that failed at once spent nothing.
             now = time.monotonic()
             unanswered = min(now - started, budget.per_request)
-            budget.spent += unanswered
+            budget.spend(now - unanswered, now)
             failed = now - unanswered if failed is None else failed  # when the store stopped answering, at the latest
             # The next attempt may wait `per_request` in vain; the wall clock since the first failure also counts,
             # for failures that cost no time at all.
             left = min(budget.bound - budget.spent, budget.bound - (now - failed)) - budget.per_request
             if transient(err) and left >= 0 and (ATTEMPTS is None or attempt < ATTEMPTS):
                 wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S, left)
+                slept = time.monotonic()
                 time.sleep(wait)
-                budget.spent += wait
+                budget.spend(slept, time.monotonic())
                 fs.invalidate_cache()
                 continue
             raise explain(err, target, what, attempts=attempt, seconds=time.monotonic() - first,
