@@ -92,7 +92,7 @@ def test_a_torchft_timeout_variable_that_overrides_the_argument_warns():
 
 # --- two groups, each its own world ---------------------------------------------------------------------------
 
-STEPS = 3
+STEPS = 8
 
 
 def _pair():
@@ -103,60 +103,59 @@ def _pair():
     return module
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """Plain SGD on the average of the two groups' gradients, computed as torchft does: their sum, halved."""
+def _replay(participants: dict[int, int]) -> dict[str, torch.Tensor]:
+    """SGD with momentum on the gradients torchft averages at each committed step: group 0's alone, or the two
+    groups' sum halved (a healing group adds zeros and is not counted)."""
     pair = _pair()
     net = pair.model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         grads = []
-        for group in (0, 1):
+        for group in range(participants[step]):
             net.zero_grad()
             net(pair.batch(group, step)).square().mean().backward()
             grads.append([p.grad.clone() for p in net.parameters()])
-        with torch.no_grad():
-            for p, g0, g1 in zip(net.parameters(), *grads):
-                p.add_((g0 + g1) / 2, alpha=-0.1)
+        for p, *gs in zip(net.parameters(), *grads):
+            p.grad = gs[0] if len(gs) == 1 else (gs[0] + gs[1]) / 2
+        opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
 @pytest.mark.single_process
-def test_two_groups_in_worlds_of_their_own_average_their_gradients_exactly(tmp_path):
+def test_a_group_that_joins_behind_heals_and_two_groups_average_exactly(tmp_path):
     env = worker_env(tmp_path)
     # The pools' environment has a fork server (started with them); waiting for it costs nothing once it serves, and
     # two forked groups start in well under a second where real ones take 4 s each.
     forkserver.wait_until_serving(forkserver.prewarm({k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")}),
                                   timeout_s=120)
     logs = [open(tmp_path / f"group{g}.log", "w") for g in (0, 1)]  # noqa: SIM115 - closed below
+    procs = []
     try:
-        procs = [subprocess.Popen([forkserver.python(), str(WORKERS / "ft_pair.py"), str(g), str(tmp_path), str(STEPS)],
-                                  env=env, stdout=logs[g], stderr=subprocess.STDOUT) for g in (0, 1)]
-        # Bound against a hang only: the run took about 1 s here (2026-11-28); the groups' own timeouts are 30 s.
-        codes = [p.wait(timeout=120) for p in procs]
+        for g in (0, 1):
+            procs.append(subprocess.Popen(
+                [forkserver.python(), str(WORKERS / "ft_pair.py"), str(g), str(tmp_path), str(STEPS)],
+                env=env, stdout=logs[g], stderr=subprocess.STDOUT))
+        # Bound against a hang only: the run took about 2 s here (2026-11-28); the groups' own timeouts are 30 s.
+        codes = [p.wait(timeout=180) for p in procs]
     finally:
-        for p in procs if "procs" in locals() else []:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
         for log in logs:
             log.close()
     output = "\n".join((tmp_path / f"group{g}.log").read_text()[-3000:] for g in (0, 1))
     assert codes == [0, 0], output
-    runs = [torch.load(tmp_path / f"group{g}.pt") for g in (0, 1)]
-    want = _reference()
-    for run in runs:
-        assert run["votes"] == [True] * STEPS and run["hook_calls"] == 2 * STEPS, run
-        for name, tensor in want.items():
-            assert torch.equal(run["weights"][name], tensor), name
-    # A check that can fail: the groups' own batches give other weights than their average does.
-    assert not torch.equal(runs[0]["weights"]["0.weight"], _one_group_weights(0)["0.weight"])
-
-
-def _one_group_weights(group: int) -> dict[str, torch.Tensor]:
-    pair = _pair()
-    net: nn.Module = pair.model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(STEPS):
-        net(pair.batch(group, step)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return net.state_dict()
-
+    first, second = (torch.load(tmp_path / f"group{g}.pt") for g in (0, 1))
+    participants = first["participants"]
+    assert sorted(participants) == list(range(STEPS)), participants
+    assert participants[0] == participants[1] == 1, participants  # group 0 alone before group 1 starts
+    joint = [s for s, n in participants.items() if n == 2]
+    assert len(joint) >= 2 and joint == list(range(joint[0], STEPS)), participants  # then both, to the end
+    # Group 1 healed once, at the step before its first joint one, and counts the same participants from there.
+    assert (first["healed"], second["healed"]) == (0, 1), (first["healed"], second["healed"])
+    assert second["participants"] == {s: n for s, n in participants.items() if s >= joint[0] - 1}, second
+    assert first["bytes"][0] > 0 and first["bytes"][0] == second["bytes"][1], (first["bytes"], second["bytes"])
+    want = _replay(participants)
+    for name, tensor in want.items():
+        assert torch.equal(first["weights"][name], tensor), name
+        assert torch.equal(second["weights"][name], tensor), name

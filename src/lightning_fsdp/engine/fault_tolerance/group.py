@@ -58,14 +58,15 @@ class StepAborted(RuntimeError):
 class ReplicaGroup:
     """This group's torchft Manager and everything a step asks of it. Build it on every rank of the group, after the
     group's process group exists; ``group`` is that process group (default: the default one; none in a world of
-    one process)."""
+    one process). ``transport`` makes the heal transport from the cross-group process group (e.g.
+    ``lambda pg: HealTransport(pg, layout=...)``); without one, a group that would have to heal fails its step."""
 
     def __init__(
         self,
         config: FaultTolerance,
         *,
         group: Optional[Any] = None,
-        transport: Optional[Any] = None,
+        transport: Optional[Callable[[Any], Any]] = None,
         backend: Optional[str] = None,
         device: Optional[torch.device] = None,
     ) -> None:
@@ -85,6 +86,7 @@ class ReplicaGroup:
         self._window_open = False
         self._store: Optional[dist.TCPStore] = None
         self.manager: Any = None
+        self.cross_group_pg: Any = None  # torchft's process group across the groups, reconfigured at each new quorum
         host = advertised_host(config.lighthouse)  # type: ignore[arg-type]
         status, port, error = _OK, 0, None
         if self.group_rank == 0:
@@ -251,14 +253,16 @@ class ReplicaGroup:
         if manager.errored() is not None:
             raise _aborted(manager)
 
-    def _new_manager(self, manager_class: Any, host: str, port: int, transport: Any, backend: Optional[str]) -> Any:
+    def _new_manager(self, manager_class: Any, host: str, port: int, transport: Optional[Callable[[Any], Any]],
+                     backend: Optional[str]) -> Any:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         config = self.config
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         pg_class = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+        self.cross_group_pg = pg = pg_class(timeout=config.delta("timeout"))
         return manager_class(
-            pg=pg_class(timeout=config.delta("timeout")),
+            pg=pg,
             load_state_dict=None,
             state_dict=None,
             min_replica_size=config.min_replicas,
@@ -274,7 +278,7 @@ class ReplicaGroup:
             # torchft numbers the ranks of the whole job from the id's trailing digits, and appends a uuid per attempt.
             replica_id=f"lightning_fsdp_{config.replica_id}",
             hostname=host,
-            checkpoint_transport=transport if transport is not None else _NoHealTransport(),
+            checkpoint_transport=transport(pg) if transport is not None else _NoHealTransport(),
             init_sync=config.init_sync,
             max_retries=config.max_uncommitted_steps,
         )
