@@ -6,7 +6,8 @@ model in this process:
   no state yet (and into one that has other state), every tensor is ``torch.equal``, every DTensor moment is rebuilt
   around the healer's own parameter, and the next step is the same bit for bit;
 - the bytes sent are at most 1.1x the state's tensor bytes;
-- another layout (other shapes, an unsharded model, another optimizer) is a clear error before any byte is applied.
+- another layout (other shapes, another mesh, an unsharded model, another optimizer) is a clear error before any byte
+  is applied.
 
 The FSDP model needs a default process group: one rank on a ``HashStore``, made and destroyed by a fixture as in
 ``test_streaming_followups``. The transfer runs between two threads, each with a standalone ``ProcessGroupGloo``.
@@ -40,6 +41,14 @@ def one_rank():
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def same_random_state_after():
+    """These tests seed the global generators: later tests in this process get them back as they were."""
+    state = heal.rng_state()
+    yield
+    heal.restore_rng_state(state)
+
+
 class Net(torch.nn.Module):
     def __init__(self, width: int = 512) -> None:
         super().__init__()
@@ -62,15 +71,15 @@ class Warmup:
         return min(1.0, (step + 1) / self.steps)
 
 
-def build(seed: int, width: int = 512, shard: bool = True):
+def build(seed: int, width: int = 512, shard: bool = True, mesh=None):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
     model = Net(width)
     if shard:
-        fully_shard(model.a)
-        fully_shard(model.b)
-        fully_shard(model)
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
     schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
                   torch.optim.lr_scheduler.LambdaLR(optimizer, Warmup(4))]
@@ -215,6 +224,12 @@ def test_another_layout_is_refused_before_any_byte_is_applied(one_rank):
     with pytest.raises(transport.LayoutMismatch, match=r"another layout \(entry 0 of .*'a.weight'.*\[256, 32\].*"
                                                        r"\[512, 32\]"):
         over_a_gloo_group(heal.produce(*source), heal.layout_of(*source), heal.layout_of(*wider))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hybrid = build(seed=2, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(transport.LayoutMismatch, match=r"\['R', 'S\(0\)'\], \[1, 1\], \['replicate', 'shard'\].*"
+                                                       r"in the sender .*\['S\(0\)'\], \[1\], \[\]"):
+        over_a_gloo_group(heal.produce(*source), heal.layout_of(*source), heal.layout_of(*hybrid))
     unsharded = build(seed=3, shard=False)
     assert heal.layout_of(*unsharded)["digest"] != heal.layout_of(*source)["digest"]
     before = {name: p.detach().clone() for name, p in unsharded[0].named_parameters()}
@@ -237,5 +252,6 @@ def test_another_layout_is_refused_before_any_byte_is_applied(one_rank):
 def test_a_value_that_cannot_travel_is_named_when_the_payload_is_made(one_rank):
     model, optimizer, schedulers = build(seed=0)
     optimizer[0].param_groups[0]["dtype"] = torch.float32
-    with pytest.raises(TypeError, match=r"^payload\.optimizers\.0\.param_groups\.0\.dtype: a value of type dtype"):
+    with pytest.raises(TypeError, match=r"^payload\.optimizers\.0\.param_groups\.0\.dtype: a value of type dtype"
+                                        r" .* HINT"):
         heal.produce(model, optimizer, schedulers)

@@ -74,7 +74,8 @@ def same(a, b) -> bool:
 
 def weird_floats() -> list[float]:
     bits = [0x7FF8000000000001, 0xFFF8000000000000, 0x7FF4000000000000]  # NaNs with payloads and a sign
-    return [struct.unpack(">d", struct.pack(">Q", b))[0] for b in bits] + [-0.0, 0.0, float("inf"), float("-inf"), 5e-324, 1.7976931348623157e308, 0.1]
+    return [struct.unpack(">d", struct.pack(">Q", b))[0] for b in bits] + [
+        -0.0, 0.0, float("inf"), float("-inf"), 5e-324, 1.7976931348623157e308, 0.1]
 
 
 def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:

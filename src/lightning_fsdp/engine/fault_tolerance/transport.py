@@ -94,8 +94,8 @@ class Header(NamedTuple):
 
 
 def _hint(text: str) -> str:
-    return (f"{text}. HINT: the heal payload is built by lightning_fsdp.engine.fault_tolerance; both replica groups must"
-            " run the same lightning-fsdp version, model, optimizer and group size")
+    return (f"{text}. HINT: the heal payload is built by lightning_fsdp.engine.fault_tolerance; both replica groups"
+            " must run the same lightning-fsdp version, model, optimizer and group size")
 
 
 # ---- encoding -------------------------------------------------------------------------------------------------
@@ -110,17 +110,15 @@ def freeze(tree: Any, path: str = "state") -> Any:
 
 def _walk(obj: Any, path: str, depth: int, on_tensor) -> Any:
     if depth > MAX_DEPTH:
-        raise TypeError(f"{path}: nested deeper than {MAX_DEPTH} levels, which a heal payload refuses")
+        raise _cannot(path, f"a value nested deeper than {MAX_DEPTH} levels")
     kind = type(obj)
     if obj is None or kind in (bool, int, float, str):
         return obj
     if isinstance(obj, torch.Tensor):
         if kind not in (torch.Tensor, torch.nn.Parameter) and not _is_dtensor(obj):
-            raise TypeError(f"{path}: a tensor of type {kind.__qualname__} cannot travel in a heal payload (plain"
-                            " tensors and DTensors can)")
+            raise _cannot(path, f"a tensor of type {kind.__qualname__} (plain tensors and DTensors can)")
         if obj.layout != torch.strided or str(obj.dtype).removeprefix("torch.") not in DTYPES:
-            raise TypeError(f"{path}: a {obj.layout} tensor of {obj.dtype} cannot travel in a heal payload. Allowed:"
-                            f" strided tensors of {', '.join(DTYPES)}")
+            raise _cannot(path, f"a {obj.layout} tensor of {obj.dtype} (strided tensors of {', '.join(DTYPES)} can)")
         return on_tensor(obj)
     if kind in (list, tuple):
         items = [_walk(v, f"{path}.{i}", depth + 1, on_tensor) for i, v in enumerate(obj)]
@@ -129,13 +127,17 @@ def _walk(obj: Any, path: str, depth: int, on_tensor) -> Any:
         out = {}
         for key, value in obj.items():
             if type(key) not in (int, str):
-                raise TypeError(f"{path}: the key {key!r} ({type(key).__qualname__}) cannot travel in a heal payload"
-                                " (int and str keys can)")
+                raise _cannot(path, f"the key {key!r} ({type(key).__qualname__}; int and str keys can)")
             out[key] = _walk(value, f"{path}.{key}", depth + 1, on_tensor)
         return out
-    raise TypeError(f"{path}: a value of type {kind.__qualname__} ({obj!r:.80}) cannot travel in a heal payload."
-                    " Allowed: None, bool, int, float, str, list, tuple, dict with int or str keys, tensors. HINT:"
-                    " keep such values out of state_dict(), or store them as tensors or plain values")
+    raise _cannot(path, f"a value of type {kind.__qualname__} ({obj!r:.80}; None, bool, int, float, str, list, tuple,"
+                        " dict with int or str keys and tensors can)")
+
+
+def _cannot(path: str, what: str) -> TypeError:
+    return TypeError(f"{path}: {what} cannot travel in a heal payload. HINT: keep such values out of the state"
+                     " dicts (an optimizer's param_groups, a scheduler's attributes), or store them as tensors or plain"
+                     " values")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
