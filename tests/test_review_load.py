@@ -110,6 +110,12 @@ def test_a_sharded_commit_naming_what_no_save_writes_is_damage_fetched_from_noth
     with pytest.raises(ChecksumError, match=rf"step-00000002/COMMIT' is damaged: it {named}.*HINT"):
         _load(f"{directory}/step-00000002")
     assert ledger.records("loader", prefix=prefix) == []  # nothing of that save was fetched, not even .metadata
+    # Verification (retention, `inspect --verify`) refuses it alike, reading nothing of it either.
+    from lightning_fsdp.checkpoint.io.store import store_for
+
+    with pytest.raises(ChecksumError, match=rf"step-00000002/COMMIT' is damaged: it {named}"):
+        store_for(f"{directory}/step-00000002", LOADER).verify(f"{directory}/step-00000002")
+    assert ledger.records("loader", prefix=prefix) == []
     # Every rank says it alike (`together`), as damage: `latest` falls back to the checkpoint before it.
     with pytest.warns(UserWarning, match=r"Skipping the checkpoint .*step-00000002.*COMMIT' is damaged"):
         assert _load(f"{directory}/latest").w0.full_tensor().unique().tolist() == [1.0]
