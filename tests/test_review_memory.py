@@ -293,10 +293,10 @@ def test_damage_is_a_checksum_error_before_its_block_reaches_the_destination(tmp
     with pytest.raises(ChecksumError, match=r"corrupted: block 17 \(bytes \d+ to \d+\) of the tensor 'w'"):
         _load(folder, {"w": dest})
     assert dest.isnan().all(), "bytes of the damaged piece reached the destination"
-    # In pieces of 2 blocks: the pieces before are in the destination, the damaged one and those after are not.
+    # In pieces of 2 blocks: the pieces before are in the destination, the damaged block and those after are not.
     with pytest.raises(ChecksumError, match=r"corrupted: block 17 "):
         _load(folder, {"w": dest}, piece=2**17)
-    assert torch.equal(dest[:16 * 64], w[:16 * 64]) and dest[16 * 64:].isnan().all()
+    assert torch.equal(dest[:16 * 64], w[:16 * 64]) and dest[17 * 64:].isnan().all()
     # The same block read for some rows of a resharded load.
     with pytest.raises(ChecksumError, match=r"corrupted: block 17 "):
         _load(folder, {"w": torch.zeros(10, 256)}, boxes={"w": ([17 * 64 + 3, 0], [10, 256])})

@@ -253,11 +253,16 @@ class _BlockRead:
             end = min(-(-(first + count) * row // self.block) * self.block, self.payload)
         step = max(self.block, self.reader._piece // self.block * self.block)
         needs: list = []
+        high = min(end, begin + step)
         if self.whole and self.start:
             needs.append((name, item_at, base, self._head))
-        for low in range(begin, end, step):
-            high = min(low + step, end)
+            # The zip records before the payload and the first piece within one piece's bytes: the fetch merges
+            # them into one request of at most range_size (else the records would cost a request of their own).
+            high = min(end, max(self.block, (step - self.start) // self.block * self.block))
+        low = begin
+        while low < end:
             needs.append((name, base + low, base + high, lambda view, low=low: self._piece(low, view)))
+            low, high = high, min(end, high + step)
         tail = item_at + self.sinfo.length
         if self.whole and base + self.payload < tail:
             needs.append((name, base + self.payload, tail, lambda view: (self._hash(view), self._finish())))
