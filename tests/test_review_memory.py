@@ -249,8 +249,11 @@ def test_a_dtype_that_metadata_records_wrong_is_loaded_as_the_bytes_hold_it(tmp_
     from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
 
     generator = torch.Generator().manual_seed(4)
-    first = {"same_size": torch.randn(300, 200, generator=generator).half(), "other_size": torch.randn(300, 200)}
-    second = {"same_size": first["same_size"].bfloat16(), "other_size": first["other_size"].bfloat16()}
+    # float16 -> bfloat16: the same bytes per element. float32 -> bfloat16: a payload of half the length, whose
+    # blocks are not where .metadata puts them; the tiny one fits the length and block count .metadata implies.
+    first = {"same_size": torch.randn(300, 200, generator=generator).half(), "other_size": torch.randn(300, 200),
+             "tiny": torch.randn(10, generator=generator)}
+    second = {name: tensor.bfloat16() for name, tensor in first.items()}
     for name, state in (("first", first), ("second", second)):
         folder = tmp_path / name
         folder.mkdir()
@@ -261,7 +264,7 @@ def test_a_dtype_that_metadata_records_wrong_is_loaded_as_the_bytes_hold_it(tmp_
             dcp.save(state, storage_writer=writer, planner=_CachedPlans(), no_dist=True)
     recorded = dcp.FileSystemReader(tmp_path / "second").read_metadata().state_dict_metadata
     assert recorded["same_size"].properties.dtype == torch.float16, "DCP's plan cache records dtypes now: drop this"
-    dest = {name: torch.zeros(300, 200) for name in second}
+    dest = {name: torch.zeros(tensor.shape) for name, tensor in second.items()}
     _load(tmp_path / "second", dest)
     for name, tensor in second.items():
         assert torch.equal(dest[name], tensor.float()), name

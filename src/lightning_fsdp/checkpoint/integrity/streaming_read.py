@@ -10,7 +10,8 @@ does not import ``checkpoint.io``). Per DCP ``ReadItem``:
 - **items with block digests** (``checksums.json``'s ``"payloads"`` row for the item, the streaming writer's): the
   tensor's raw bytes (the payload) in pieces of whole blocks, at most ``piece_size`` each; every block is checked
   against its digest as its piece arrives, then the piece is taken as a flat run of elements (``torch.frombuffer``
-  with the dtype and chunk shape ``.metadata`` records, no unpickling) and its elements that the read wants are
+  with the dtype and chunk shape ``.metadata`` records, or the dtype the item's own pickle names where a read of the
+  whole item sees that they differ: :func:`_pickled_dtype`) and its elements that the read wants are
   copied into the destination, whatever its dtype, strides or device. A read of the whole chunk fetches the whole
   item and also checks the item digest across the pieces in order (the zip records around the payload); a read of
   part of it (a resharded load) fetches only the blocks that hold its rows (dimension 0). Nothing item-sized is
@@ -217,6 +218,7 @@ class _BlockRead:
         self.whole = self.offsets == [0] * len(chunk) and self.lengths == chunk
         self.target: Optional[torch.Tensor] = None
         self.hashed = 0
+        self.unpickled: Optional[bytearray] = None  # the item's bytes, where it must be read as a whole (_head)
 
     @classmethod
     def of(cls, reader: StreamingReader, item: Any, planner: Any, sinfo: Any, check: _ItemCheck,
@@ -265,7 +267,7 @@ class _BlockRead:
             low, high = high, min(end, high + step)
         tail = item_at + self.sinfo.length
         if self.whole and base + self.payload < tail:
-            needs.append((name, base + self.payload, tail, lambda view: (self._hash(view), self._finish())))
+            needs.append((name, base + self.payload, tail, self._tail))
         else:  # the last piece ends the read (a payload at the item's very end: never in a torch.save zip)
             last = needs[-1]
             needs[-1] = (*last[:3], lambda view, consume=last[3]: (consume(view), self._finish()))
@@ -273,15 +275,23 @@ class _BlockRead:
 
     def _head(self, view: memoryview) -> None:
         """The zip records before the payload (the pickle among them), before any piece: a dtype that differs from
-        ``.metadata``'s is the bytes' own (what ``torch.load`` would give), or, of another size, damage."""
-        self._hash(view)
+        ``.metadata``'s is the bytes' own (what ``torch.load`` would give). One of another size makes the payload's
+        length another, so its blocks are not where ``.metadata`` puts them: the item (the needs cover all of it) is
+        then kept and read whole, as the previous reader read every item."""
         pickled = _pickled_dtype(bytes(view))
-        if pickled is None or pickled == self.dtype:
-            return
-        if torch.empty((), dtype=pickled).element_size() != self.itemsize:
-            raise ChecksumError(f"{self.check.where!r} holds the tensor {self.check.name!r} as {pickled}, where its"
-                                f" .metadata records {self.dtype}: .metadata does not describe its bytes.{DAMAGED_HINT}")
-        self.dtype = pickled
+        if pickled is not None and pickled != self.dtype:
+            if torch.empty((), dtype=pickled).element_size() != self.itemsize:
+                self.unpickled = bytearray(view)
+                return
+            self.dtype = pickled
+        self._hash(view)
+
+    def _tail(self, view: memoryview) -> None:
+        if self.unpickled is not None:
+            self.unpickled += view
+        else:
+            self._hash(view)
+        self._finish()
 
     def _hash(self, view: memoryview) -> None:
         self.check.hasher.update(view)
@@ -289,6 +299,9 @@ class _BlockRead:
 
     def _piece(self, low: int, view: memoryview) -> None:
         """Bytes ``[low, low + len(view))`` of the payload: each block checked, then copied where the read wants."""
+        if self.unpickled is not None:
+            self.unpickled += view
+            return
         check = self.check
         for at in range(0, len(view), self.block):
             part = view[at:at + self.block]
@@ -314,6 +327,9 @@ class _BlockRead:
         _scatter(self.target, data.view(self.dtype), low // self.itemsize, self.chunk, self.offsets)
 
     def _finish(self) -> None:
+        if self.unpickled is not None:  # checked against the item digest before it is unpickled or copied
+            self.reader._whole(self.item, self.planner, memoryview(self.unpickled), self.check)
+            return
         if self.whole:
             self.check.finish(self.hashed)  # damage in the zip records around the payload (each block was checked)
             self.reader._note(self.item, self.check)
