@@ -411,22 +411,27 @@ def receive(pg, src: int, *, step: int, layout: Any, device: torch.device = torc
     sizes = [spec.nbytes for spec in header.specs]
     tensors: list[Optional[torch.Tensor]] = [None] * len(sizes)
     received = 8 + size
+    not_bool: list[int] = []
     for k, message in enumerate(plan(sizes)):
         buffer = torch.empty(_message_size(message, sizes), dtype=torch.uint8, device=device)
         _wait(pg.recv([buffer], src, _FIRST + k), timeout, f"received message {k} of the heal payload from rank {src}")
         received += buffer.numel()
         for i, offset in message:
-            tensors[i] = _typed(buffer[offset:offset + sizes[i]], header.specs[i], i, packed=len(message) > 1
-                                or sizes[i] <= SMALL)
+            raw = buffer[offset:offset + sizes[i]]
+            if header.specs[i].dtype == torch.bool and bool((raw > 1).any()):  # no bool torch can hold
+                not_bool.append(i)
+            tensors[i] = _typed(raw, header.specs[i],
+                                packed=len(message) > 1 or sizes[i] <= SMALL)
+    # Raised once every message is in, so that the sender is never left blocked on a message nobody receives.
+    if not_bool:
+        raise PayloadError(_hint(f"heal tensor {not_bool[0]} is bool but holds bytes other than 0 and 1"))
     for i, spec in enumerate(header.specs):
         if tensors[i] is None:
             tensors[i] = torch.empty(spec.shape, dtype=spec.dtype, device="cpu" if spec.host else device)
     return build(header, tensors), received
 
 
-def _typed(raw: torch.Tensor, spec: Spec, index: int, *, packed: bool) -> torch.Tensor:
-    if spec.dtype == torch.bool and bool((raw > 1).any()):  # any other byte is no bool torch can hold
-        raise PayloadError(_hint(f"heal tensor {index} is bool but holds bytes other than 0 and 1"))
+def _typed(raw: torch.Tensor, spec: Spec, *, packed: bool) -> torch.Tensor:
     t = raw.view(spec.dtype).reshape(spec.shape)
     if packed:  # a tensor of its own, as the sender had: torch.set_rng_state, for one, reads from a storage's start
         t = t.clone()
