@@ -5,8 +5,12 @@ every entry of another tool's ``dcp.save`` (torchtitan's ``{"model": ..., "train
 not in ``meta.pt``. A plain dict, list or tensor requested under such a key is read into its own tensors in place;
 a pickled leaf is replaced by the saved value; a mismatch is an error naming the key, never a skip.
 
-In this process with one rank (``OneProcess``), local and at a URL of the suite's S3 server; the two-rank case (DTensor
-leaves through ``fabric.load``) runs in the 2-rank pool (``workers/plain_entries.py``).
+The Trainer writes every entry holding DTensors (a callback's state, ``on_save_checkpoint`` extras) through DCP and
+requests only its models and optimizers: those entries are read whole (plain tensors, as a full checkpoint holds
+them) and returned for Lightning to restore (``read_whole``); they were dropped, and every callback's state with them.
+
+In this process with one rank (``OneProcess``), local and at a URL of the suite's S3 server; the two-rank cases (DTensor
+leaves through ``fabric.load``, a Trainer's resume) run in the 2-rank pool (``workers/plain_entries.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 
 from launch import case_tests
 
-CASES = ["fabric_load_reads_a_plain_entry_held_by_dcp_into_its_dtensors_and_tensors_in_place"]
+CASES = ["fabric_load_reads_a_plain_entry_held_by_dcp_into_its_dtensors_and_tensors_in_place",
+         "trainer_resume_restores_a_callback_state_that_held_a_dtensor"]
 
 results, test_two_ranks = case_tests("plain_entries.py", 2, CASES)
 
@@ -146,3 +151,20 @@ def test_strict_compares_the_leaves_and_strict_false_reads_those_both_have(tmp_p
         _load(tmp_path / "ck", {"model": more})
     assert _load(tmp_path / "ck", {"model": more}, strict=False) == {}
     assert torch.equal(more["a"], saved["model"]["a"]) and torch.equal(more["c"], torch.zeros(1))
+
+
+@pytest.mark.single_process
+def test_unrequested_entries_the_caller_names_are_read_whole_and_returned(tmp_path):
+    """The Trainer's `read_whole`: nested dicts and lists of tensors and values, rebuilt from DCP's metadata (a key
+    holding a dot included); the entries it declines (an optimizer's state) are not read. Old code: no `read_whole`."""
+    torch.manual_seed(2)
+    callbacks = {"Avg{'decay': 0.5}": {"copy": torch.randn(3, 2), "steps": 2, "hist": [torch.randn(1), {"n": 1}]}}
+    tensors = {"model": {"a": torch.randn(4)}, "callbacks": callbacks, "optimizer_0": {"x": torch.ones(2)}}
+    _write(tmp_path / "ck", tensors, {"epoch": 1})
+    state = {"model": {"a": torch.zeros(4)}}
+    rest = _load(tmp_path / "ck", state, read_whole=lambda key: key != "optimizer_0")
+    assert sorted(rest) == ["callbacks", "epoch"] and rest["epoch"] == 1, rest
+    got, saved = rest["callbacks"]["Avg{'decay': 0.5}"], callbacks["Avg{'decay': 0.5}"]
+    assert torch.equal(got["copy"], saved["copy"]) and got["steps"] == 2 and got["hist"][1] == {"n": 1}, got
+    assert torch.equal(got["hist"][0], saved["hist"][0]) and list(got) == ["copy", "steps", "hist"], got
+    assert _load(tmp_path / "ck", {"model": {"a": torch.zeros(4)}}) == {"epoch": 1}  # without it: nothing more read

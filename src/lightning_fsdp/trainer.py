@@ -17,6 +17,7 @@ How the Trainer's pieces land on the engine:
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -64,6 +65,14 @@ from lightning_fsdp.engine.precision import FSDPPrecision, as_fsdp_precision
 __all__ = ["FSDPStrategy", "FSDPTrainerPrecision"]
 
 _SHARDED_OPTIMIZER_KEY = "optimizer_{}"
+
+
+def _sharded_extra(key: str) -> bool:
+    """An entry that ``save_checkpoint`` wrote as shards beside the model and the optimizers because it held DTensors
+    (a callback's state, a LightningModule's ``on_save_checkpoint`` extras): a load reads it whole, plain tensors as a
+    full checkpoint holds them, for Lightning to restore (it was dropped). Not the model, the optimizers or the
+    averaged weights, which would be a whole model's or optimizer's state on every rank."""
+    return key not in ("model", TRAINER_MODEL_KEY, averaging.CURRENT_MODEL_KEY) and not re.fullmatch(r"optimizer_\d+", key)
 
 
 class FSDPTrainerPrecision(FSDPPrecision, Precision):
@@ -354,7 +363,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         strict = self.lightning_module.strict_loading
         loaded = checkpoint.load_checkpoint(
             checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine,
-            storage_options=options,
+            storage_options=options, read_whole=_sharded_extra,
         )
         self._restored_checkpoint = averaging.complete_for_callback(loaded, self.model, average, averaged)
         return self._restored_checkpoint

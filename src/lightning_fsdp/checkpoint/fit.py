@@ -18,7 +18,8 @@ moves, on every rank from the same tables, so the same error is raised everywher
 A requested plain entry (a dict or list of tensors, not a model or optimizer) whose data DCP holds, as a front's
 sharded extras or another tool's ``dcp.save`` keep it, is read into its tensors in place (:func:`plain_leaves`,
 :func:`check_plain`): each tensor must have the saved shape and dtype, a tensor must stand where a tensor was saved,
-and ``strict`` compares the leaves as it compares a model's keys.
+and ``strict`` compares the leaves as it compares a model's keys. One nobody requested is read, where the caller
+asks for it, into plain tensors of the saved shapes (:func:`saved_template`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 
 __all__ = ["Shapes", "model_shapes", "checkpoint_shapes", "optimizer_names", "saved_state_names", "listed_names",
            "never_stepped", "sharded_tables", "check_requested", "check_fit",
-           "Leaves", "plain_leaves", "saved_leaves", "check_plain"]
+           "Leaves", "plain_leaves", "saved_leaves", "check_plain",
+           "top_keys", "saved_template"]
 
 # A tensor's name -> its global shape; None for a non-tensor entry (it has a name but no shape).
 Shapes = dict[str, Optional[tuple[int, ...]]]
@@ -197,6 +199,35 @@ def check_plain(source: Path, entries: Mapping[str, tuple[Leaves, Leaves]], stri
 
 
 _ABSENT = object()
+
+
+def top_keys(entries: Mapping[str, Any], paths: Mapping[str, tuple]) -> set[str]:
+    """The top-level keys of the state DCP saved; ``paths`` is its metadata's ``planner_data``, each flat name's path
+    (a key may hold a dot), else the name up to its first dot."""
+    return {str(paths.get(flat, (flat.split(".", 1)[0],))[0]) for flat in entries}
+
+
+def saved_template(entries: Mapping[str, Any], paths: Mapping[str, tuple], key: str) -> Any:
+    """The saved entry ``key``'s dicts and lists, to read it into whole: an empty plain tensor of the saved (global)
+    shape and dtype for each tensor, None for each pickled value (DCP's load puts the value there)."""
+    root: dict = {}
+    for flat, meta in entries.items():
+        path = paths.get(flat) or tuple(flat.split("."))
+        if str(path[0]) != key:
+            continue
+        node: Any = root
+        for i, part in enumerate(path):
+            last = i == len(path) - 1
+            size = _shape_of_metadata(meta) if last else None
+            new = (None if size is None else torch.empty(size, dtype=meta.properties.dtype)) if last else (
+                [] if isinstance(path[i + 1], int) else {})
+            if isinstance(node, list):
+                node.extend([None] * (part + 1 - len(node)))
+                node[part] = new if last or node[part] is None else node[part]
+            else:
+                node[part] = new if last else node.get(part, new)
+            node = node[part]
+    return root[key]
 
 
 def _walked(items: list) -> bool:  # as DCP decides which lists to walk into when it flattens a state dict

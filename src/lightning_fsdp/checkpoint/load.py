@@ -62,8 +62,12 @@ def load_checkpoint(
     weights_only: Optional[bool] = None,
     comm: Communicator,
     storage_options: Optional[dict[str, Any]] = None,
+    read_whole: Optional[Callable[[str], bool]] = None,
 ) -> dict[str, Any]:
     """Restore ``state`` in place from ``path`` and return what the checkpoint holds beyond the requested keys.
+
+    A sharded checkpoint's entries that DCP holds are returned only if ``read_whole(key)`` says so (the Trainer's
+    extras): they are then read whole, plain tensors on every rank; others may be a whole model or optimizer.
 
     ``path`` may be a URL (``s3://...``; its filesystem gets ``storage_options``): its committed objects are read
     (:mod:`~lightning_fsdp.checkpoint.io.store`). A symlinked ``path`` reads the checkpoint it points to. A rank that dies during the load is reported on the
@@ -82,14 +86,14 @@ def load_checkpoint(
             try:
                 with store_for(path, storage_options).open_committed(path, comm) as source, \
                         trusted_when_verified(path, source, comm, storage_options):  # retention need not re-read it
-                    return _load(source, state, strict, weights_only, comm)
+                    return _load(source, state, strict, weights_only, comm, read_whole)
             except Exception as err:  # noqa: BLE001 - damage, on every rank alike: `latest` goes on to the one before
                 path = fall_back(candidates, err, comm, storage_options)  # it; anything else is raised
 
 
 def _load(
     source: Path, state: Union[Module, Optimizer, dict[str, Any]], strict: bool,
-    weights_only: Optional[bool], comm: Communicator,
+    weights_only: Optional[bool], comm: Communicator, read_whole: Optional[Callable[[str], bool]] = None,
 ) -> dict[str, Any]:
     weights_only = True if weights_only is None else weights_only
     if isinstance(state, Module) and hf.is_hf_checkpoint(source):  # Hugging Face weights, e.g. to fine-tune
@@ -109,7 +113,7 @@ def _load(
         state = {key or "model": state}
     split = split_state(state, for_save=False)
     if sharded:
-        remainder = _load_sharded(source, state, split, strict, weights_only, comm)
+        remainder = _load_sharded(source, state, split, strict, weights_only, comm, read_whole)
     else:
         remainder = _load_full(source, state, split, strict, weights_only, comm, bare_model=bare)
     return {} if raw else remainder
@@ -167,11 +171,12 @@ def _detect(source: Path) -> bool:
 
 
 def _load_sharded(
-    source: Path, state: dict, split: SplitState, strict: bool, weights_only: bool, comm: Communicator
+    source: Path, state: dict, split: SplitState, strict: bool, weights_only: bool, comm: Communicator,
+    read_whole: Optional[Callable[[str], bool]],
 ) -> dict[str, Any]:
     meta_file = source / METADATA_FILENAME
 
-    def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any], dict[str, Any]]:
         # Every file must belong to this save before any is used (`.metadata` decides where bytes go, `meta.pt`
         # holds the step); then meta.pt's own zip records are checked.
         if not check_files(source) and comm.global_rank == 0:
@@ -179,10 +184,11 @@ def _load_sharded(
         if meta_file.is_file():
             verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-        entries = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only).state_dict_metadata
-        return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries
+        dcp_metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
+        entries, paths = dcp_metadata.state_dict_metadata, dcp_metadata.planner_data or {}
+        return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries, paths
 
-    metadata, available, entries = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
+    metadata, available, entries, paths = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
     together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, weights_only))
     # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
     where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
@@ -191,6 +197,9 @@ def _load_sharded(
     plain = {k: v.state_dict() if is_stateful(v) else v for k, v in state.items() if k not in split.models
              and k not in split.optimizers and k not in metadata and fit.saved_leaves(entries, k)}
     fit.check_requested(state, {k for k, v in where.items() if v in available} | set(plain), strict)
+    # Unrequested ones the caller wants (the Trainer's: a callback's state that held DTensors) are read whole.
+    whole = {k: fit.saved_template(entries, paths, k) for k in fit.top_keys(entries, paths) if read_whole is not None
+             and k not in state and k not in where.values() and k not in metadata and read_whole(k)}
     tensors: dict[str, Any] = {where[k]: get_model_state_dict(m) for k, m in split.models.items() if where[k] in available}
     for key, optimizer in split.optimizers.items():
         if where[key] in available:
@@ -204,7 +213,7 @@ def _load_sharded(
     leaves = {k: (fit.plain_leaves(k, v), fit.saved_leaves(entries, k)) for k, v in plain.items()}
     together(comm, f"Matching {str(source)!r} to the state",
              lambda: (fit.check_fit(source, models, optimizers, strict), fit.check_plain(source, leaves, strict)))
-    tensors.update(plain)
+    tensors.update({**plain, **whole})
     live = {k: fit.optimizer_names(v[0]) for k, v in optimizers.items()}  # before the read replaces the groups
     for key, (request, saved, _) in optimizers.items():
         # Only the state the checkpoint holds is read; the parameters it has none for get none (see below).
@@ -233,7 +242,7 @@ def _load_sharded(
             state[key].load_state_dict(tensors[key])
         else:
             state[key] = tensors[key]
-    return _restore_metadata(state, split, metadata)
+    return {**_restore_metadata(state, split, metadata), **{k: tensors[k] for k in whole}}
 
 
 def _set_optimizer_state(
