@@ -338,7 +338,9 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
                 remote_download.check_sharded(record, target)
             if not whole and record.get("kind") == "full":
                 return record, {}  # nothing fetched here: the reading rank reads the file by ranges (remote_full)
-            if whole or record.get("kind") != "sharded":
+            # A sharded record naming no `.metadata` is no DCP checkpoint that ranges could be read from: fetched
+            # whole, as before, so its load says what it is.
+            if whole or record.get("kind") != "sharded" or ".metadata" not in record["objects"]:
                 return record, None
             return record, self._retrying(target, "downloading",
                                           lambda: remote_download.fetch_small(self.fs, target, record))

@@ -42,8 +42,8 @@ _RANGE = RANGE
 
 
 def check_sharded(record: dict[str, Any], target: str) -> None:
-    """Refuse a sharded record that names what no save writes, names no ``.metadata``, or gives a small object more
-    than :data:`MAX_SMALL_BYTES`: a ``ChecksumError`` naming ``<target>/COMMIT``, before any object is fetched."""
+    """Refuse a sharded record that names what no save writes, or gives a small object more than
+    :data:`MAX_SMALL_BYTES`: a ``ChecksumError`` naming ``<target>/COMMIT``, before any object is fetched."""
     from lightning_fsdp.checkpoint.formats.commit_record import COMMIT_NAME
 
     objects = record["objects"]
@@ -54,9 +54,6 @@ def check_sharded(record: dict[str, Any], target: str) -> None:
         raise damaged(commit, f"it names {shown}, which no save writes into a sharded checkpoint (only"
                       f" {', '.join(repr(n) for n in SMALL_NAMES)} and shard files '*{SHARD_SUFFIX}'), so nothing of"
                       " it was fetched")
-    if DCP_METADATA_FILENAME not in objects:
-        raise damaged(commit, f"it names no {DCP_METADATA_FILENAME!r}, which every sharded save writes, so no shard"
-                      " was fetched")
     for name in SMALL_NAMES:
         size = objects.get(name, (0, None))[0]
         if size > MAX_SMALL_BYTES[name]:
