@@ -72,7 +72,8 @@ def _sharded_extra(key: str) -> bool:
     (a callback's state, a LightningModule's ``on_save_checkpoint`` extras): a load reads it whole, plain tensors as a
     full checkpoint holds them, for Lightning to restore (it was dropped). Not the model, the optimizers or the
     averaged weights, which would be a whole model's or optimizer's state on every rank."""
-    return key not in ("model", TRAINER_MODEL_KEY, averaging.CURRENT_MODEL_KEY) and not re.fullmatch(r"optimizer_\d+", key)
+    own = key in ("model", TRAINER_MODEL_KEY, averaging.CURRENT_MODEL_KEY) or re.fullmatch(r"optimizer_\d+", key)
+    return not own
 
 
 class FSDPTrainerPrecision(FSDPPrecision, Precision):

@@ -209,7 +209,9 @@ def top_keys(entries: Mapping[str, Any], paths: Mapping[str, tuple]) -> set[str]
 
 def saved_template(entries: Mapping[str, Any], paths: Mapping[str, tuple], key: str) -> Any:
     """The saved entry ``key``'s dicts and lists, to read it into whole: an empty plain tensor of the saved (global)
-    shape and dtype for each tensor, None for each pickled value (DCP's load puts the value there)."""
+    shape and dtype for each tensor, None for each pickled value (DCP's load puts the value there). A path that is
+    not its flat name's, a list index beyond the entries, or two paths that disagree on a container is refused: a
+    crafted ``.metadata`` must not allocate at will or fail deep in DCP."""
     root: dict = {}
     for flat, meta in entries.items():
         path = paths.get(flat) or tuple(flat.split("."))
@@ -221,11 +223,17 @@ def saved_template(entries: Mapping[str, Any], paths: Mapping[str, tuple], key: 
             size = _shape_of_metadata(meta) if last else None
             new = (None if size is None else torch.empty(size, dtype=meta.properties.dtype)) if last else (
                 [] if isinstance(path[i + 1], int) else {})
-            if isinstance(node, list):
+            if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(entries):
                 node.extend([None] * (part + 1 - len(node)))
                 node[part] = new if last or node[part] is None else node[part]
-            else:
+            elif isinstance(node, dict) and isinstance(part, str):
                 node[part] = new if last else node.get(part, new)
+            else:
+                part = None  # refused below
+            if part is None or ".".join(map(str, path)) != flat or (not last and type(node[part]) is not type(new)):
+                raise ValueError(f"DCP's .metadata places {flat!r} at {path!r}, which does not fit the other entries"
+                                 f" of {key!r}. HINT: the checkpoint is damaged or was not written by DCP; load an"
+                                 " earlier one.")
             node = node[part]
     return root[key]
 

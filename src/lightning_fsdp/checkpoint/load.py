@@ -198,8 +198,8 @@ def _load_sharded(
              and k not in split.optimizers and k not in metadata and fit.saved_leaves(entries, k)}
     fit.check_requested(state, {k for k, v in where.items() if v in available} | set(plain), strict)
     # Unrequested ones the caller wants (the Trainer's: a callback's state that held DTensors) are read whole.
-    whole = {k: fit.saved_template(entries, paths, k) for k in fit.top_keys(entries, paths) if read_whole is not None
-             and k not in state and k not in where.values() and k not in metadata and read_whole(k)}
+    whole = {k: fit.saved_template(entries, paths, k) for k in (fit.top_keys(entries, paths) if read_whole else ())
+             if k not in state and k not in where.values() and k not in metadata and read_whole(k)}
     tensors: dict[str, Any] = {where[k]: get_model_state_dict(m) for k, m in split.models.items() if where[k] in available}
     for key, optimizer in split.optimizers.items():
         if where[key] in available:
