@@ -30,6 +30,7 @@ from collections import deque
 from typing import Iterable, Optional
 
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
+from lightning_fsdp.checkpoint.io import transport_download
 from lightning_fsdp.checkpoint.io.remote_errors import damaged, retrying
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
 from lightning_fsdp.checkpoint.io.transfers import transfers
@@ -92,6 +93,9 @@ class _Fetcher:
         self.source = source
         self.fs = source.fs
         self.s3 = hasattr(self.fs, "_call_s3") and hasattr(self.fs, "split_path")
+        # obstore, where installed and the filesystem translates to it (transport_download): the same requests,
+        # outside the GIL; None keeps s3fs.
+        self.fast = transport_download.client_for(self.fs) if self.s3 else None
 
     def get(self, name: str, start: int, end: int) -> bytearray:
         """The bytes ``[start, end)`` of the object ``name``; a transient failure resumes from the byte reached."""
@@ -118,6 +122,14 @@ class _Fetcher:
         return self.source.objects[name][0]
 
     def _read(self, url: str, start: int, end: int, view: memoryview, reached: list[int], committed: int) -> None:
+        if self.fast is not None and self.fast.on:
+            try:
+                self.fast.read(url, start, end, view, reached, committed)
+                return
+            except transport_download.Short as short:
+                raise _cut(url, short.size) from short
+            except transport_download.Unplaced:
+                self.fast.on = False  # an answer obstore could not place (before any byte): s3fs from now on
         if self.s3:
             from fsspec.asyn import sync
 
