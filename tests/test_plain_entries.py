@@ -168,3 +168,22 @@ def test_unrequested_entries_the_caller_names_are_read_whole_and_returned(tmp_pa
     assert torch.equal(got["copy"], saved["copy"]) and got["steps"] == 2 and got["hist"][1] == {"n": 1}, got
     assert torch.equal(got["hist"][0], saved["hist"][0]) and list(got) == ["copy", "steps", "hist"], got
     assert _load(tmp_path / "ck", {"model": {"a": torch.zeros(4)}}) == {"epoch": 1}  # without it: nothing more read
+
+
+@pytest.mark.single_process
+def test_a_crafted_metadata_path_is_refused_before_anything_is_allocated():
+    """`read_whole` rebuilds an entry from `.metadata`'s planner_data: a list index far beyond the entries (which
+    would allocate a list of that length), a path that is not its flat name's, or a container another path contradicts
+    is a clear error. Old code: there was no such reading."""
+    from types import SimpleNamespace
+
+    from lightning_fsdp.checkpoint.fit import saved_template
+
+    tensor, pickled = SimpleNamespace(size=torch.Size([2]), properties=SimpleNamespace(dtype=torch.float32)), object()
+    entries = {"cb.a": tensor, "cb.l.0": tensor, "cb.l.1": pickled}
+    paths = {"cb.a": ("cb", "a"), "cb.l.0": ("cb", "l", 0), "cb.l.1": ("cb", "l", 1)}
+    built = saved_template(entries, paths, "cb")
+    assert list(built) == ["a", "l"] and built["l"][0].shape == (2,) and built["l"][1] is None
+    for crafted in [("cb", "l", 10**12), ("cb", "x", 0), ("cb", "a", 0)]:
+        with pytest.raises(ValueError, match=r"places 'cb\.l\.0' at .* does not fit .*HINT"):
+            saved_template(entries, {**paths, "cb.l.0": crafted}, "cb")
