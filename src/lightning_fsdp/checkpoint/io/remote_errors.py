@@ -9,8 +9,10 @@ built with the client's own retries off and its connect and read timeouts at a q
 times ours once took 170 s. Each operation (:func:`retrying`) has a budget of the bound: every failed attempt spends
 the time it waited for an answer (at most that quarter) and every backoff its wait, and no attempt starts that could
 end past the budget. Requests that succeed spend nothing: a large download that makes progress is no outage. A caller
-that makes many store calls for one answer (``latest`` on rank 0, while the other ranks wait) shares one budget
-among them (:func:`one_budget`), so the whole answer fails within the bound too.
+that makes many store calls for one answer shares one budget among them (:func:`one_budget`), so the whole answer
+fails within the bound too: ``latest`` on rank 0 (while the other ranks wait), a verification, and a load (every
+request of ``open_committed``, the ranged GETs on pool threads included: they run in a copy of the caller's
+context). Time that several threads failed through together is spent once (:meth:`_Budget.spend`).
 
 Damage is not decided here: a ``CheckpointError`` (bytes read and found wrong) passes through untouched, and is never
 retried, since retrying reads the same bytes. :func:`could_not_read` says which errors are not damage.
