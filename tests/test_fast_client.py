@@ -181,3 +181,35 @@ def test_anonymous_and_turned_off(stored, monkeypatch):
     monkeypatch.setenv(transport_download.VARIABLE, "s3fs")
     fresh = remote_errors.bounded_filesystem(s3fs.S3FileSystem, "s3", {})
     assert transport_download.client_for(fresh) is None
+
+
+class _Marker(Exception):
+    pass
+
+
+def test_a_load_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypatch):
+    # A load's objects set off full collections of the whole process (checkpoint/io/collector.py): the collector is
+    # paused while a checkpoint is read, and on again after, also when the load raises.
+    import gc
+    from pathlib import Path
+
+    from lightning_fsdp.checkpoint import load
+
+    seen = []
+
+    def first_step(comm, what, step):
+        seen.append(gc.isenabled())
+        raise _Marker(what)
+
+    monkeypatch.setattr(load, "together", first_step)
+    assert gc.isenabled()
+    with pytest.raises(_Marker):
+        load._load(Path("unused"), {}, True, None, None)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that paused it itself keeps it paused
+    try:
+        with pytest.raises(_Marker):
+            load._load(Path("unused"), {}, True, None, None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -43,6 +43,7 @@ from lightning_fsdp.checkpoint.integrity.safe_pickle import load_bytes, load_dcp
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, check_files
 from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
 from lightning_fsdp.checkpoint.io import ranged_read
+from lightning_fsdp.checkpoint.io.collector import collector_paused
 from lightning_fsdp.checkpoint.io.remote_full import CheckedOnRead, RemoteFullFile
 from lightning_fsdp.checkpoint.io.remote_source import remote_objects
 from lightning_fsdp.checkpoint.integrity.zipfiles import LoadVerifier, verify_zip
@@ -91,6 +92,7 @@ def load_checkpoint(
                 path = fall_back(candidates, err, comm, storage_options)  # it; anything else is raised
 
 
+@collector_paused  # a load's objects set off full collections of the whole process (io/collector.py)
 def _load(
     source: Path, state: Union[Module, Optimizer, dict[str, Any]], strict: bool,
     weights_only: Optional[bool], comm: Communicator, read_whole: Optional[Callable[[str], bool]] = None,
