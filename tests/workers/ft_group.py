@@ -201,9 +201,9 @@ def a_lighthouse_shut_down_mid_run_is_a_fault_tolerance_error_within_the_quorum_
         # A bound against a hang only: torchft's own default quorum timeout is 60 s, the group's 2 s (a quorum
         # without a lighthouse took 3.0 s for a timeout of 3 s here on 2026-11-28).
         assert elapsed < 45, elapsed
-        assert address in text and "quorum" in text and "lightning-fsdp lighthouse" in text, text
+        assert address in text and "lightning-fsdp lighthouse" in text, text
+        assert "no quorum or answer within quorum_timeout=2 s" in text, text
         assert group.current_step == 1
-        model.reset_iter_state()  # the backward the error cut off: FSDP is left clean for the group's exit
     finally:
         group.close()
     return {"seconds": round(elapsed, 2), "message": text}

@@ -173,12 +173,18 @@ class ReplicaGroup:
             yield
         except StepAborted as err:
             self.abort(err)
+        except FaultToleranceError:
+            self._reset()  # the group ends; FSDP is left clean for its exit (a final save, the hooks at exit)
+            raise
 
     def abort(self, error: BaseException) -> None:
         """Give up this step after ``error`` interrupted its forward or backward."""
         self.aborted_steps += 1
         if self.manager.errored() is None:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        self._reset()
+
+    def _reset(self) -> None:
         for root in self._roots:
             root.reset_iter_state()  # type: ignore[operator]
             for param in root.parameters():
@@ -303,6 +309,8 @@ class ReplicaGroup:
     def _fatal(self, phase: str, err: BaseException) -> FaultToleranceError:
         cause = getattr(err, "original_exception", err)
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, TimeoutError):  # torchft's RPC timeouts say only "Timeout expired"
+            text += f" (no quorum or answer within quorum_timeout={self.config.quorum_timeout:g} s)"
         config = self.config
         if "max_retries" in text:
             hint = (f"the group failed to commit more than max_uncommitted_steps={config.max_uncommitted_steps} steps"
