@@ -213,3 +213,36 @@ def test_a_load_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypatc
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("length, low, most", [(1000, 3, 8), (2**20, 1, 2)])
+def test_small_ranges_run_more_at_once_within_the_windows_bytes(monkeypatch, length, low, most):
+    # Small requests are mostly round trips: up to SMALL_REQUESTS x ranges_in_flight run at once while their bytes
+    # stay within ranges_in_flight x range_size; requests of range_size run ranges_in_flight at once, as before.
+    # (Before, small ones ran ranges_in_flight at once too: 2 here.)
+    import threading
+    import time
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    target = f"memory://fast-{uuid.uuid4().hex[:8]}/ck"
+    fs.pipe_file(f"{target}/.tok/{NAME}", b"x" * (17 * 2**21))
+    running, peak, lock = [0], [0], threading.Lock()
+    original = ranged_read._Fetcher.get
+
+    def counted(self, name, start, end):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)  # long enough for every request the window allows to be started meanwhile
+        try:
+            return original(self, name, start, end)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(ranged_read._Fetcher, "get", counted)
+    spans = [(i * 2**21, i * 2**21 + length) for i in range(16)]
+    got = _fetch(_source(fs, target, 17 * 2**21), spans, ranges_in_flight=2, range_size=2**20)
+    assert len(got) == 16 and low <= peak[0] <= most, peak
