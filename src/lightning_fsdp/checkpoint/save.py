@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -231,6 +232,25 @@ class _CachedPlans(dcp.DefaultSavePlanner):
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=True)
+
+    def create_local_plan(self) -> Any:
+        # DCP decides that a plan is unchanged by names, offsets and sizes alone, not dtypes: a tensor that changed
+        # dtype since the last save (a model cast to bf16, an optimizer state made fp32) would be written in its new
+        # dtype under a `.metadata` that records the old one, and a reader that trusts `.metadata` (a resharded
+        # load's partial reads) would load other numbers. Such a rank sends its plan again, and the coordinator
+        # rebuilds the metadata from it.
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if cached is not None and _dtypes_changed(cached, self.state_dict):
+            del SavePlanner._cached_save_plan[self._cached_plans_key]
+        return super().create_local_plan()
+
+
+def _dtypes_changed(plan: Any, state: dict[str, Any]) -> bool:
+    for item in plan.items:
+        if item.tensor_data is not None and getattr(state.get(item.index.fqn), "dtype", None) != \
+                item.tensor_data.properties.dtype:
+            return True
+    return False
 
 
 def _write_then_commit(
