@@ -218,3 +218,12 @@ def test_a_slice_read_by_ranges_is_a_view_of_the_bytes_read_not_a_second_copy():
     assert torch.equal(piece, rows[2:6])
     address = np.frombuffer(data, dtype=np.uint8).ctypes.data  # numpy views the bytes object's own buffer
     assert address <= piece.data_ptr() < address + len(data), "the piece is a copy of the bytes read"
+
+
+def test_a_user_skip_instance_cache_storage_option_is_accepted():
+    """Every filesystem is made fresh (``skip_instance_cache=True``); a user's own ``skip_instance_cache`` in
+    ``storage_options`` was passed a second time (TypeError: multiple values for the keyword argument)."""
+    from lightning_fsdp.checkpoint.io.urls import filesystem
+
+    fs = filesystem("memory://bucket/x", {"skip_instance_cache": False})
+    assert fs is not filesystem("memory://bucket/x", {"skip_instance_cache": False})  # fresh all the same

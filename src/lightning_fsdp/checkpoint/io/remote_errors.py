@@ -86,7 +86,8 @@ def client_options(protocol: str, storage_options: Optional[dict[str, Any]]) -> 
 def bounded_filesystem(cls: Any, protocol: str, storage_options: Optional[dict[str, Any]]) -> Any:
     """A fresh instance of the filesystem class ``cls`` (fsspec caches instances per arguments, and a cached one's
     listings can be stale) whose client retries nothing and waits within the bound (:func:`client_options`)."""
-    fs = cls(**client_options(protocol, storage_options), skip_instance_cache=True)
+    # The user's own `skip_instance_cache` (harmless to pass) is overridden, not passed twice (a TypeError).
+    fs = cls(**{**client_options(protocol, storage_options), "skip_instance_cache": True})
     if protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
         fs.retries = 1  # s3fs's own loop around each call (5 tries by default): ours is the one
     return fs
