@@ -41,6 +41,8 @@ RELAYS = {
         "`atomic.check_replaceable`'s IsADirectoryError and FileExistsError carry a HINT (both stores)",
     ("checkpoint/io/remote.py", "_open_committed", "_renamed"):
         "re-raises the caught error itself, its message's temporary local path replaced by the URL",
+    ("cli.py", "_lighthouse", "UsageError"):
+        "`fault_tolerance.config.require_torchft`'s ModuleNotFoundError carries the `[ft]` install HINT",
     ("checkpoint/io/writers.py", "write_safetensors", "UsageError"):
         "`safetensors_layout.ordered`'s TypeError for a dtype safetensors lacks carries a HINT",
 }

@@ -119,7 +119,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Inspect and convert lightning-fsdp checkpoints (full and sharded), and plan"
                                             " the memory of a run before launching it.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan,clean}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan,clean,lighthouse}")
 
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds",
                                   description="Show a checkpoint's format, world size, models, optimizers and"
@@ -182,7 +182,43 @@ def _parser() -> argparse.ArgumentParser:
                             " 2h, 1d); at least the longest a save takes. Default: 1h")
     _add_storage_options(clean)
     clean.set_defaults(run=_clean)
+    house = commands.add_parser("lighthouse", help="serve torchft's lighthouse for fault-tolerant replica groups",
+                                description="Serve the lighthouse that the replica groups of a fault-tolerant job"
+                                            " meet at each step (torchft's quorum server), until Ctrl-C or SIGTERM."
+                                            " It prints its address: give it to every group as TORCHFT_LIGHTHOUSE."
+                                            " Needs the [ft] extra.")
+    house.add_argument("--min-replicas", type=_positive, required=True, metavar="N",
+                       help="the fewest replica groups a quorum needs to go on")
+    house.add_argument("--bind", default="[::]:29510", metavar="HOST:PORT",
+                       help="where to listen. Default: [::]:29510 (port 0: any free port)")
+    house.add_argument("--join-timeout-ms", type=_positive, default=60_000, metavar="MS",
+                       help="how long a quorum waits for groups beyond --min-replicas. Default: 60000")
+    house.add_argument("--heartbeat-timeout-ms", type=_positive, default=5_000, metavar="MS",
+                       help="how long a silent group still counts as live. Default: 5000")
+    house.set_defaults(run=_lighthouse)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a whole number of at least 1. HINT: e.g."
+                                         " --min-replicas 2")
+    return value
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from lightning_fsdp.engine.fault_tolerance.lighthouse import serve
+
+    try:
+        serve(args.min_replicas, bind=args.bind, join_timeout_ms=args.join_timeout_ms,
+              heartbeat_timeout_ms=args.heartbeat_timeout_ms, announce=lambda line: print(line, flush=True))
+    except ModuleNotFoundError as err:
+        raise UsageError(str(err)) from err
+    return 0
 
 
 def _add_allow_pickle(parser: argparse.ArgumentParser) -> None:
