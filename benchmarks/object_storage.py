@@ -26,6 +26,7 @@ are not S3's and fall on one side only: completing a multipart upload copies and
 (0.32 s for 86 MiB here; the plain put of a shard under 100 MiB is one PUT), and a ranged GET copies the whole object
 (55 ms per range of an 86 MiB object, whatever its length). The second would turn a reader's small ranges into
 seconds, so the counting server answers ranged GETs itself from moto's stored bytes (``--moto-ranges``: not).
+Where a save's or a load's own time goes: ``benchmarks/profile_checkpoint.py`` (py-spy, the collector, the reads).
 Run (the parent starts the server and the ranks; take the CPU lock around it on a shared machine):
 
     flock /tmp/cpu.lock .venv/bin/python benchmarks/object_storage.py [--rounds 3] [--json out.json]

@@ -5,8 +5,9 @@ memory against moto's server and against the stub (``s3_stub.py``), each server 
 For every client, server and operation: throughput (MB/s) and the client process's CPU seconds per GB moved
 (``getrusage``, every thread, the client alone: each client runs in a fresh process), and the server's CPU seconds
 per GB (``/proc/<pid>/stat``). Operations: ``put`` (8 MiB parts, 8 in flight, as the client's multipart upload
-does them), ``get`` (one stream) and ``get ranges`` (8 MiB ranges, 8 in flight). The clients are not dependencies
-of the project: install obstore and s3torchconnectorclient into a folder of their own and pass it:
+does them), ``get`` (one stream) and ``get ranges`` (8 MiB ranges, 8 in flight). obstore is in the ``s3`` and
+``test`` extras (a load's ranged GETs go through it, ``checkpoint/io/transport_download.py``); s3torchconnectorclient
+is no dependency: install it (or both) into a folder of their own and pass it:
 
     pip install --target /tmp/s3clients obstore s3torchconnectorclient
     flock /tmp/cpu.lock .venv/bin/python benchmarks/profile_s3.py --clients-path /tmp/s3clients [--json out.json]

@@ -1,0 +1,151 @@
+"""Where the time of our sharded save or load to S3 goes (issue 43 item 6): the model and server of
+``object_storage.py`` (2 CPU ranks, GPT with AdamW, 86 MB per rank, moto behind the counting middleware), one save,
+then ``--reps`` saves or loads, each timed on every rank with three instruments:
+
+- the ranged reads' share of a load (``ranged_read.fetch``: when it started after the load did, how long it took);
+- every full collection of Python's cyclic collector during the runs (``gc.callbacks``: when, how long), which
+  walks every object of the process and so costs a rank with torch and Lightning imported a quarter of a second;
+- with ``--py-spy FILE``, rank 0 sampled by py-spy during the runs (``--format raw``, every thread, idle too: read it
+  with any flame-graph tool, or count frames).
+
+Run (take the CPU lock on a shared machine; py-spy is on PyPI):
+
+    flock /tmp/cpu.lock .venv/bin/python benchmarks/profile_checkpoint.py --mode load --reps 10 [--py-spy load.raw]
+
+Found with it (2026-11-28): a full collection every second load (0.23-0.37 s in a 0.36 s load; the load now runs
+with the collector paused, ``checkpoint/io/collector.py``); rank 0's ~100 small GETs of replicated scalars in rank
+1's shard (small requests now run more at once); botocore's request path (0.3 s of a 1.0 s load; the GETs now go
+through obstore). What is left of a load: DCP's planning and its gathers (~0.1 s before the first GET), the copy of
+each piece into the DTensors, and the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import object_storage as bench  # noqa: E402  (its server and model)
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("load", "save"), default="load")
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--py-spy", default=None, help="sample rank 0 with py-spy into this file (raw format)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse()
+    if args.worker:
+        _worker(args)
+        return
+    server, endpoint = bench.serve(True)
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket=bench.BUCKET)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                        "--worker", *sys.argv[1:]], check=True, env=env)
+    finally:
+        server.shutdown()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    rank = int(os.environ["RANK"])
+    os.environ["AWS_ACCESS_KEY_ID"] = f"w2r{rank}"
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from train_gpt import GPT, Block, GPTConfig, make_optimizer
+
+    from lightning_fsdp.checkpoint.io import ranged_read
+    from lightning_fsdp.fabric import FSDPStrategy
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    fabric.launch()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=64, n_layer=args.layers, n_head=6, n_embd=args.dim)
+    with fabric.init_module(empty_init=True):
+        plain = GPT(config)
+    model, optimizer = fabric.setup(plain, make_optimizer(plain, 1e-4))
+    batch = torch.randint(0, 64, (4, 65))
+    fabric.backward(F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()))
+    optimizer.step()
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    url = f"s3://{bench.BUCKET}/{fabric.broadcast(f'run-{os.getpid()}')}/ckpt"
+
+    began = [0.0]
+    fetches: list[tuple[float, float]] = []
+    collections: list[tuple[float, float]] = []
+    original = ranged_read.fetch
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            fetches.append((start - began[0], time.perf_counter() - start))
+
+    ranged_read.fetch = timed
+    collecting = [0.0]
+
+    def noted(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        elif info["generation"] == 2 and began[0]:
+            collections.append((collecting[0] - began[0], time.perf_counter() - collecting[0]))
+
+    gc.callbacks.append(noted)
+    fabric.save(url, state)
+    fabric.load(url, state)  # warm: connections, caches
+    spy = None
+    if rank == 0 and args.py_spy:
+        here = Path(sys.executable).with_name("py-spy")  # the venv's, else the PATH's
+        spy = subprocess.Popen([str(here) if here.exists() else "py-spy", "record", "--pid", str(os.getpid()), "-r", "250", "--format", "raw",
+                                "-o", args.py_spy, "--threads", "--idle"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)  # attached
+    times = []
+    for _ in range(args.reps):
+        fabric.barrier()
+        began[0] = time.perf_counter()
+        (fabric.load if args.mode == "load" else fabric.save)(url, state)
+        times.append(time.perf_counter() - began[0])
+    fabric.barrier()
+    if spy is not None:
+        spy.send_signal(2)
+        spy.wait()
+    lines = [f"rank {rank} {args.mode} s: {[round(t, 3) for t in times]}",
+             f"rank {rank} full collections (s into the run, s): {[(round(a, 3), round(b, 3)) for a, b in collections]}"]
+    if args.mode == "load":
+        lines.append(f"rank {rank} ranged reads (s into the load, s):"
+                     f" {[(round(a, 3), round(b, 3)) for a, b in fetches[-args.reps:]]}")
+    for rank_turn in range(2):
+        fabric.barrier()
+        if rank_turn == rank:
+            print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
