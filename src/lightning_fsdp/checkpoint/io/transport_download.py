@@ -65,7 +65,10 @@ def client_for(fs: Any) -> Optional["FastRanges"]:
                 return _CLIENTS[fs]
         except TypeError:  # not weakly referable: made again each time, which costs one connect
             pass
-        made = _make(fs)
+        try:
+            made = _make(fs)
+        except Exception:  # noqa: BLE001 (s3fs could not connect, say: it says why itself on the first request)
+            made = None
         try:
             _CLIENTS[fs] = made
         except TypeError:
