@@ -122,7 +122,8 @@ def _worker(args: argparse.Namespace) -> None:
     spy = None
     if rank == 0 and args.py_spy:
         here = Path(sys.executable).with_name("py-spy")  # the venv's, else the PATH's
-        spy = subprocess.Popen([str(here) if here.exists() else "py-spy", "record", "--pid", str(os.getpid()), "-r", "250", "--format", "raw",
+        spy = subprocess.Popen([str(here) if here.exists() else "py-spy", "record", "--pid", str(os.getpid()),
+                                "-r", "250", "--format", "raw",
                                 "-o", args.py_spy, "--threads", "--idle"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)  # attached
@@ -137,7 +138,8 @@ def _worker(args: argparse.Namespace) -> None:
         spy.send_signal(2)
         spy.wait()
     lines = [f"rank {rank} {args.mode} s: {[round(t, 3) for t in times]}",
-             f"rank {rank} full collections (s into the run, s): {[(round(a, 3), round(b, 3)) for a, b in collections]}"]
+             f"rank {rank} full collections (s into the run, s):"
+             f" {[(round(a, 3), round(b, 3)) for a, b in collections]}"]
     if args.mode == "load":
         lines.append(f"rank {rank} ranged reads (s into the load, s):"
                      f" {[(round(a, 3), round(b, 3)) for a, b in fetches[-args.reps:]]}")

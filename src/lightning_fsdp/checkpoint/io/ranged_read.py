@@ -16,10 +16,11 @@ order of the needs sorted by object and offset). Here they become requests:
   (``LFSDP_STORE_TIMEOUT_S``, :func:`.remote_errors.retrying`, through the store's own ``retry`` when it has one).
 
 S3 is read through obstore where it is installed and the s3fs filesystem translates to it (``transport_download``:
-the same requests, outside the GIL), else through s3fs's client, ``get_object`` with a ``Range``, the body
-streamed; any other fsspec filesystem through ``fs.cat_file(url, start, end)``, one request per range. Measured on moto in one process (one
-32 MiB range, 6 rounds, 2026-11-28): streamed into the buffer 0.066 s median (0.064-0.075), ``cat_file`` 0.087 s
-(0.085-0.107), which reads the whole body and then joins it; the stream can also resume, which ``cat_file`` cannot.
+the same requests, outside the GIL), else through s3fs's client, ``get_object`` with a ``Range``, the body streamed;
+any other fsspec filesystem through ``fs.cat_file(url, start, end)``, one request per range. Measured on moto in one
+process (one 32 MiB range, 6 rounds, 2026-11-28): streamed into the buffer 0.066 s median (0.064-0.075),
+``cat_file`` 0.087 s (0.085-0.107), which reads the whole body and then joins it; the stream can also resume, which
+``cat_file`` cannot.
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@ hands the body over in small chunks, on the one event-loop thread, holding the G
 copies need (``benchmarks/profile_s3.py``: 2.55 client CPU seconds per GB for s3fs, 0.89 for obstore; on the
 sharded load of ``benchmarks/object_storage.py`` botocore's request path alone was 0.3 s of a 1.0 s load).
 
-What is taken from the filesystem, never guessed: :func:`client_for` connects the s3fs filesystem and reads what
-its botocore client resolved (endpoint, region, addressing style, signing off for ``anon``) and the credentials its
+What is taken from the filesystem, never guessed: :func:`client_for` connects the s3fs filesystem and reads what its
+botocore client resolved (endpoint, region, addressing style, signing off for ``anon``) and the credentials its
 signer holds (whatever their source: arguments, environment, profile, instance role), handed to obstore through a
 provider that asks botocore again when they expire. Anything this module does not translate keeps the whole load on
 s3fs: an asynchronous filesystem, ``version_aware``, ``requester_pays``, ``s3_additional_kwargs`` (SSE-C keys and
 the like), ``client_kwargs`` or ``config_kwargs`` beyond the endpoint, region, timeouts, retries and addressing
-style, a ``verify``, proxy or client-certificate setting (``AWS_CA_BUNDLE`` is passed on as a root certificate). ``LFSDP_S3_CLIENT=s3fs`` turns it off.
+style, a ``verify``, proxy or client-certificate setting (``AWS_CA_BUNDLE`` is passed on as a root certificate).
+``LFSDP_S3_CLIENT=s3fs`` turns it off.
 
 Retries stay ours: obstore retries nothing (``max_retries=0``); each request is one attempt under
 :func:`.remote_errors.retrying`'s one bound, with the filesystem's own connect and read timeouts (a quarter of the
