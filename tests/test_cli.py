@@ -430,7 +430,7 @@ def _bad_inputs(ckpt: Path, tmp: Path) -> dict[str, tuple[list, str]]:
                                    "not a sharded checkpoint"),
         "unknown --to": (["convert", sharded, tmp / "o.pt", "--to", "onnx"], "invalid choice: 'onnx'"),
         "missing --to": (["convert", sharded, tmp / "o.pt"], "required: --to"),
-        "no command": ([], "required: {inspect,convert,plan,clean}"),
+        "no command": ([], "required: {inspect,convert,plan,clean,lighthouse}"),
         "bad --max-shard-size unit": (["convert", sharded, tmp / "hf", "--to", "safetensors", "--max-shard-size",
                                        "12XB"], "Invalid size '12XB'"),
         "zero --max-shard-size": (["convert", sharded, tmp / "hf", "--to", "safetensors", "--max-shard-size", "0"],
