@@ -6,33 +6,43 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import urllib.request
 
 import pytest
 
 from lightning_fsdp.cli import main
 
-RUN = "import sys; from lightning_fsdp.cli import main; sys.exit(main(sys.argv[1:]))"
-
-
 @pytest.mark.single_process
-def test_the_lighthouse_serves_at_the_address_it_prints_and_stops_cleanly_on_sigterm():
-    proc = subprocess.Popen([sys.executable, "-c", RUN, "lighthouse", "--min-replicas", "2", "--bind", "[::]:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()  # ends when the process prints its line or dies
-        found = re.search(r"serving at (http://[^ ]+:(\d+)) \(min_replicas=2\).*TORCHFT_LIGHTHOUSE=\1", line)
-        assert found, line
-        # the address names this host; ask it on the loopback interface, where it listens too ([::] is every one)
-        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(2)}/", timeout=10) as answer:
-            assert answer.status == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+def test_the_lighthouse_serves_at_the_address_it_prints_and_stops_cleanly_on_sigterm(capsys):
+    """In this process (a fresh interpreter costs seconds of the suite): the command runs in the main thread, where
+    its signal handlers go, and a helper thread asks the printed address, then sends this process SIGTERM."""
+    import os
+    import threading
+    import time
+
+    answers = []
+
+    def ask_then_stop() -> None:
+        try:
+            for _ in range(200):  # until the command printed its line (bounded: 20 s)
+                found = re.search(r"serving at (http://[^ ]+:(\d+)) \(min_replicas=2\).*TORCHFT_LIGHTHOUSE=\1",
+                                  capsys.readouterr().out)
+                if found:
+                    # the address names this host; ask on the loopback interface ([::] listens on every one)
+                    with urllib.request.urlopen(f"http://127.0.0.1:{found.group(2)}/", timeout=10) as answer:
+                        answers.append(answer.status)
+                    break
+                time.sleep(0.1)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    asker = threading.Thread(target=ask_then_stop)
+    asker.start()
+    assert main(["lighthouse", "--min-replicas", "2", "--bind", "[::]:0"]) == 0
+    asker.join(timeout=30)
+    assert answers == [200]
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handlers are gone again
 
 
 @pytest.mark.single_process
