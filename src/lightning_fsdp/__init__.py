@@ -8,12 +8,13 @@ branch (see :mod:`lightning_fsdp._fronts.dropin`).
 
 from lightning_fsdp._fronts.fabric_load import fabric_load
 from lightning_fsdp.engine.config import FSDPConfig, ShardingStrategy
+from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance, FaultToleranceError
 from lightning_fsdp.engine.precision import FSDPPrecision
 from lightning_fsdp.pretrained import LoadReport, load_pretrained
 
 __version__ = "0.1.0"
 
-__all__ = ["FSDPConfig", "ShardingStrategy", "FSDPPrecision", "load_pretrained", "LoadReport", "fabric_load", "__version__"]
+__all__ = ["FSDPConfig", "ShardingStrategy", "FaultTolerance", "FaultToleranceError", "FSDPPrecision", "load_pretrained", "LoadReport", "fabric_load", "__version__"]
 
 
 def _register() -> None:

@@ -32,6 +32,7 @@ from lightning_fsdp._base.compat import FabricSubprocessScriptLauncher as _Subpr
 from lightning_fsdp._base.secrets import StorageOptions
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp.engine.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
+from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
 from lightning_fsdp.engine.core import FSDPEngine
 from lightning_fsdp.engine.meta_init import empty_init_context
 from lightning_fsdp.engine.policy import PolicyInput
@@ -110,6 +111,12 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         ranges_in_flight: ranged reads at once per rank during a load from object storage (None: the default, 4).
         range_size: the largest byte range one read asks for; neighbouring ranges merge up to it (None: the
             default, 8 MiB; a load holds at most about ``ranges_in_flight * range_size`` of bodies).
+        fault_tolerance: per-step fault tolerance across replica groups (torchft): ``None`` (off), a
+            :class:`lightning_fsdp.FaultTolerance` or a dict of its fields (``replica_id``, ``num_replica_groups``,
+            ``lighthouse``, ``min_replicas``, the timeouts); ``replica_id`` defaults to ``$REPLICA_GROUP_ID``,
+            ``num_replica_groups`` to ``$NUM_REPLICA_GROUPS``, ``lighthouse`` to ``$TORCHFT_LIGHTHOUSE``. Each group
+            is a job of its own that shards with ``FULL_SHARD``; needs ``pip install 'lightning-fsdp[ft]'``. See the
+            fault-tolerance guide.
         sync_module_states: every rank starts from rank 0's parameters and buffers (broadcast once at setup, before
             sharding), as with DDP. On unless ``False``: switch it off only when every rank builds identical weights.
             With ``empty_init=True`` only buffers are broadcast; parameters are initialized shard by shard.
@@ -154,6 +161,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         parts_in_flight: Optional[int] = None,
         ranges_in_flight: Optional[int] = None,
         range_size: Optional[int] = None,
+        fault_tolerance: Optional[Union[dict[str, Any], FaultTolerance]] = None,
         **kwargs: Any,
     ) -> None:
         config = FSDPConfig.from_arguments(**config_arguments(locals()))

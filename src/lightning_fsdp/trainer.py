@@ -57,6 +57,7 @@ from lightning_fsdp.checkpoint.io.store import store_for
 from lightning_fsdp.checkpoint.save import sharded_model_state, sharded_optimizer_state, write_full, write_sharded
 from lightning_fsdp.checkpoint.state import holds_dtensors
 from lightning_fsdp.engine.config import FSDPConfig
+from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
 from lightning_fsdp.engine.core import FSDPEngine
 from lightning_fsdp.engine.meta_init import empty_init_context
 from lightning_fsdp.engine.policy import PolicyInput
@@ -171,6 +172,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         parts_in_flight: Optional[int] = None,
         ranges_in_flight: Optional[int] = None,
         range_size: Optional[int] = None,
+        fault_tolerance: Optional[Union[dict[str, Any], FaultTolerance]] = None,
         **kwargs: Any,
     ) -> None:
         if checkpoint_io is not None:

@@ -21,6 +21,7 @@ from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.names import import_module_of
 from lightning_fsdp._base.secrets import StorageOptions, hidden, refuse_masked
 from lightning_fsdp.engine.activation_checkpointing import parse_checkpointing_policy
+from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance, FaultToleranceInput, parse_fault_tolerance
 from lightning_fsdp.engine.meta_init import SKIP, ParamInitFn
 from lightning_fsdp.engine.policy import Policy, PolicyInput, parse_policy
 from lightning_fsdp.engine.prefetch import parse_backward_prefetch, parse_forward_prefetch
@@ -111,6 +112,7 @@ class FSDPConfig:
     parts_in_flight: Optional[int] = None
     ranges_in_flight: Optional[int] = None
     range_size: Optional[int] = None
+    fault_tolerance: Optional[FaultTolerance] = None  # see `fault_tolerance/config.py`; None: off
 
     @property
     def transfer_arguments(self) -> dict[str, int]:
@@ -153,6 +155,7 @@ class FSDPConfig:
         parts_in_flight: Optional[int] = None,
         ranges_in_flight: Optional[int] = None,
         range_size: Optional[int] = None,
+        fault_tolerance: FaultToleranceInput = None,
     ) -> FSDPConfig:
         strategy = parse_sharding_strategy(sharding_strategy)
         tensor_parallel = parse_tensor_parallel(tensor_parallel_size, tensor_parallel_plan)
@@ -187,6 +190,7 @@ class FSDPConfig:
             parts_in_flight=check_transfer("parts_in_flight", parts_in_flight),
             ranges_in_flight=check_transfer("ranges_in_flight", ranges_in_flight),
             range_size=check_transfer("range_size", range_size),
+            fault_tolerance=parse_fault_tolerance(fault_tolerance, sharding_strategy=strategy),
         )
 
 

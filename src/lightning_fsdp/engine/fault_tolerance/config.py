@@ -106,14 +106,17 @@ _FIELDS = tuple(f.name for f in fields(FaultTolerance))
 _ALLOWED = "None (off), a lightning_fsdp.FaultTolerance, or a dict of its fields (" + ", ".join(_FIELDS) + ")"
 
 
-def parse_fault_tolerance(value: Any, environ: Optional[Mapping[str, str]] = None) -> Optional[FaultTolerance]:
-    """Check ``fault_tolerance`` and fill its ``None`` fields from ``environ`` (default: ``os.environ``).
+def parse_fault_tolerance(value: Any, environ: Optional[Mapping[str, str]] = None, *,
+                          sharding_strategy: Any = None) -> Optional[FaultTolerance]:
+    """Check ``fault_tolerance`` and fill its ``None`` fields from ``environ`` (default: ``os.environ``); refuse a
+    ``sharding_strategy`` that replicates inside a group.
 
     Returns ``None`` (off) or a :class:`FaultTolerance` whose ``replica_id``, ``num_replica_groups`` and
     ``lighthouse`` are set. Raises ``TypeError``/``ValueError`` naming the field, and ``ModuleNotFoundError`` when
     torchft is not installed. The lighthouse is not contacted here (that happens once processes are up)."""
     if value is None:
         return None
+    _check_sharding(sharding_strategy)
     env = os.environ if environ is None else environ
     if isinstance(value, Mapping):
         unknown = sorted(str(k) for k in value if k not in _FIELDS)
@@ -150,6 +153,19 @@ def parse_fault_tolerance(value: Any, environ: Optional[Mapping[str, str]] = Non
     _warn_torchft_overrides(resolved, env)
     require_torchft()
     return resolved
+
+
+def _check_sharding(sharding_strategy: Any) -> None:
+    """Refuse a replicate axis inside a replica group: the groups themselves are the replicate axis, and the hook
+    that averages across them sits on the reduce-scatter of a 1-D shard mesh."""
+    name = getattr(sharding_strategy, "value", sharding_strategy)
+    if name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        raise ValueError(bad_argument(
+            "sharding_strategy", name, "'FULL_SHARD' or 'SHARD_GRAD_OP' under fault_tolerance",
+            "Use sharding_strategy='FULL_SHARD' in each group and launch one group per replica (its own torchrun or"
+            " job, fault_tolerance.replica_id set per group): the replica groups are the replicate axis.",
+            problem="Hybrid sharding replicates inside a group, and fault_tolerance replicates across groups",
+        ))
 
 
 def require_torchft() -> None:
