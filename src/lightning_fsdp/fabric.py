@@ -31,6 +31,12 @@ from lightning_fsdp._base.compat import BackwardSyncControl as _BackwardSyncCont
 from lightning_fsdp._base.compat import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher, Sharded as _Sharded
 from lightning_fsdp._base.secrets import StorageOptions
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
+from lightning_fsdp._fronts.replica import (
+    drop_gradients,
+    refuse_second_setup,
+    refuse_unsupported_precision,
+    start_replica_group,
+)
 from lightning_fsdp.engine.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
 from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
 from lightning_fsdp.engine.core import FSDPEngine
@@ -220,11 +226,19 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         return self._setup(module, [])
 
     def _setup(self, module: Module, optimizers: list[Optimizer]) -> Module:
+        ft = self.config.fault_tolerance
+        if ft is not None:
+            refuse_second_setup(ft, self._replica_group, optimizers)
+            refuse_unsupported_precision(ft, self.precision)
         module = self._engine.setup_module(module, self.precision.mixed_precision_policy(), optimizers)
         rank_zero_info(self._engine.last_summary)
+        if ft is not None:
+            self._replica_group = start_replica_group(ft, module, optimizers, device=self.root_device)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.config.fault_tolerance is not None:
+            refuse_second_setup(self.config.fault_tolerance, object(), [optimizer])
         return self._engine.setup_optimizer(optimizer)
 
     def module_to_device(self, module: Module) -> None:
@@ -245,6 +259,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
 
     def teardown(self) -> None:
         self._background_saves.wait(self._engine)
+        self._close_replica_group()
         # Lightning's teardown also tears down `checkpoint_io`, which this strategy does not have.
         self.precision.teardown()
         if self.accelerator is not None:
@@ -255,12 +270,20 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
     # --- training-step helpers ------------------------------------------------------------------------------
 
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        with self._engine.guard("backward"):
+        with self._engine.guard("backward"), self._aborting():
             super().backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optimizer's step. Under fault tolerance, the step runs only when the replica groups' vote commits,
+        and the vote is returned (``if optimizer.step(): scheduler.step()``); a step that does not commit drops the
+        window's gradients."""
+        group = self._replica_group
+        if group is not None and not group.commit():
+            drop_gradients(optimizer)
+            return False
         with self._engine.guard("optimizer step"):
-            return super().optimizer_step(optimizer, **kwargs)
+            result = super().optimizer_step(optimizer, **kwargs)
+        return True if group is not None else result
 
     def clip_gradients_norm(
         self,
@@ -289,6 +312,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
+        if not self._writes_checkpoints():
+            return
         storage_options = self._storage_options(storage_options)
         full = self.config.state_dict_type == "full"
         background = self._background_saves if self.config.async_save and not full else None

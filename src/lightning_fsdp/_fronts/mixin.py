@@ -9,6 +9,7 @@ without either front listing them twice.
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -20,6 +21,8 @@ from lightning_fsdp.checkpoint.io.transfers import check_transfers, set_transfer
 from lightning_fsdp.checkpoint.io.urls import check_storage_options
 from lightning_fsdp.engine.config import FSDPConfig, check_fsdp1_kwargs
 from lightning_fsdp.engine.core import FSDPEngine
+from lightning_fsdp.engine.fault_tolerance.data import replica_sampler_kwargs
+from lightning_fsdp.engine.fault_tolerance.group import ReplicaGroup
 
 __all__ = ["FrontMixin", "config_arguments"]
 
@@ -64,7 +67,37 @@ class FrontMixin:
         # Every rank is a data-parallel rank, the replicas of a hybrid mesh included; under tensor parallelism the
         # ranks of one group are one data-parallel rank, and must see the same batch.
         tp = self._engine.config.tensor_parallel.size
-        return {"num_replicas": self.num_nodes * self.num_processes // tp, "rank": self.global_rank // tp}
+        size, rank = self.num_nodes * self.num_processes // tp, self.global_rank // tp
+        ft = self._engine.config.fault_tolerance
+        if ft is None:
+            return {"num_replicas": size, "rank": rank}
+        # Under fault tolerance the data is cut for every rank of every group; an absent group's share is skipped.
+        return replica_sampler_kwargs(ft.replica_id, ft.num_replica_groups, rank, size)  # type: ignore[arg-type]
+
+    # --- fault tolerance (see `_fronts/replica.py`) ---------------------------------------------------------------
+
+    _replica_group: Optional[ReplicaGroup] = None
+
+    @property
+    def replica_group(self) -> Optional[ReplicaGroup]:
+        """This group's part in fault tolerance (``fault_tolerance=...``), once the model is set up; else None.
+        ``replica_group.current_step`` counts the steps the groups committed."""
+        return self._replica_group
+
+    def _aborting(self) -> AbstractContextManager:
+        """Around a backward: a step that a dead peer group aborted ends here (see `ReplicaGroup.aborting`)."""
+        return self._replica_group.aborting() if self._replica_group is not None else nullcontext()
+
+    def _writes_checkpoints(self) -> bool:
+        """Whether this group writes checkpoints: without fault tolerance always; with it, only the group ranked 0
+        in the latest quorum (every group holds the same state, so one copy is written, the others skip)."""
+        group = self._replica_group
+        return group is None or group.participating_rank() == 0
+
+    def _close_replica_group(self) -> None:
+        group, self._replica_group = self._replica_group, None
+        if group is not None:
+            group.close()
 
     @property
     def checkpoint_io(self) -> Any:

@@ -1,0 +1,119 @@
+"""What both fronts do to join a replica group when ``fault_tolerance`` is on (docs/guides/fault-tolerance.md).
+
+:func:`start_replica_group` is called once the model is sharded, on every rank of the group. It builds the group's
+:class:`~lightning_fsdp.engine.fault_tolerance.group.ReplicaGroup` (the torchft Manager and the cross-group process
+group), puts the cross-group average on the model's FSDP units, names the state a healing group receives (model
+shards, optimizer state, the random generators, and the front's own ``extra`` state), and opens each optimizer step's
+window at the root's first forward of it.
+
+Why the window opens at the first forward, and waits there for the quorum: a live group sends its state to a healing
+one from torchft's quorum thread, reading the parameters' local shards. FSDP swaps a unit's registered parameters for
+the unsharded ones during its forward and backward, so the send must finish before the forward starts. Waiting costs
+the overlap of the quorum's round trip with the forward (a few milliseconds on a LAN); a heal transfer that raced a
+forward would send the wrong tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp._base.errors import bad_argument
+from lightning_fsdp.engine.fault_tolerance import heal
+from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
+from lightning_fsdp.engine.fault_tolerance.group import ReplicaGroup, fsdp_roots
+from lightning_fsdp.engine.fault_tolerance.transport import HealTransport
+
+__all__ = ["ExtraState", "drop_gradients", "refuse_second_setup", "refuse_unsupported_precision", "start_replica_group"]
+
+HEAL_KEY = "lightning_fsdp"
+
+
+class ExtraState(Protocol):
+    """State of a front that a healing group also receives (the Trainer's loop position, say): ``produce()`` gives a
+    tree of plain values and tensors on the sender, ``load(tree)`` applies it on the healer."""
+
+    def produce(self) -> Any: ...
+
+    def load(self, tree: Any) -> None: ...
+
+
+def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequence[Optimizer], *,
+                        device: torch.device, schedulers: Sequence[Any] = (),
+                        extra: Optional[ExtraState] = None) -> ReplicaGroup:
+    """Join this rank's group to the others; collective over the group (every rank calls it, after sharding)."""
+    optimizers, schedulers = list(optimizers), list(schedulers)
+    layout = heal.layout_of(module, optimizers, schedulers)
+    group = ReplicaGroup(config, transport=lambda pg: HealTransport(pg, layout=layout, device=device),
+                         device=device)
+    try:
+        group.install(module)
+
+        def produce() -> Any:
+            return heal.produce(module, optimizers, schedulers, strategy=heal.rng_state(),
+                                loop=extra.produce() if extra is not None else None)
+
+        def load(payload: Any) -> None:
+            rest = heal.load(payload, module, optimizers, schedulers)
+            heal.restore_rng_state(rest["strategy"])
+            if extra is not None:
+                extra.load(rest["loop"])
+
+        group.register_state(HEAL_KEY, load, produce)
+        # Before FSDP's own pre-forward hook (which unshards the root's parameters), hence `prepend`; on the root,
+        # which the Trainer's LightningModule is not.
+        (_, root), = fsdp_roots(module)
+        root.register_forward_pre_hook(_window_opener(group), prepend=True)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+def _window_opener(group: ReplicaGroup) -> Callable[..., None]:
+    def open_window(module: Module, args: Any) -> None:
+        # Only a training forward starts a step: an evaluation forward (no grad, or eval mode) takes no part in one.
+        if module.training and torch.is_grad_enabled():
+            group.begin_window()
+            group.participating_rank()  # waits for the quorum, and so for any heal transfer of this window
+
+    return open_window
+
+
+def refuse_unsupported_precision(config: FaultTolerance, precision: Any) -> None:
+    """fp16 mixed precision scales the loss with a GradScaler whose skipped steps no vote knows of: refused."""
+    name = str(getattr(precision, "precision", precision))
+    if name in ("16-mixed", "16"):
+        raise ValueError(bad_argument(
+            "fault_tolerance", config, "precision 'bf16-mixed', 'bf16-true' or '32-true' under fault tolerance",
+            "Use precision='bf16-mixed' (no loss scaling), or turn fault_tolerance off.",
+            problem=f"precision={name!r} scales the loss with a GradScaler, whose skipped steps the groups' vote"
+                    " cannot see",
+        ))
+
+
+def refuse_second_setup(config: FaultTolerance, existing: Optional[ReplicaGroup], optimizers: Sequence[Any]) -> None:
+    """One model and its optimizer, set up together: the group's heal layout and cross-group hook are fixed then."""
+    if existing is not None:
+        raise ValueError(bad_argument(
+            "fault_tolerance", config, "one model with its optimizer, set up once: `fabric.setup(model, optimizer)`",
+            "Put every trained module in one model (one FSDP root) and set it up once, with its optimizer.",
+            problem="A second model or a later optimizer cannot join the replica group's heal and average",
+        ))
+    if len(optimizers) != 1:
+        raise ValueError(bad_argument(
+            "fault_tolerance", config, "exactly one optimizer, passed with the model: `fabric.setup(model, optimizer)`",
+            "Set the model up with its optimizer in one call (several parameter groups in one optimizer are fine).",
+            problem=f"{len(optimizers)} optimizers were set up with the model",
+        ))
+
+
+def drop_gradients(optimizer: Any) -> None:
+    """Forget the gradients of a step that did not commit: they belong to a window that is being thrown away."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper, or the optimizer itself
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
