@@ -46,8 +46,11 @@ from torch.optim import Optimizer
 
 from lightning_fsdp import averaging, checkpoint
 from lightning_fsdp._base.compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.secrets import StorageOptions
+from lightning_fsdp._fronts import fault_tolerance_loop
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
+from lightning_fsdp._fronts.replica import refuse_unsupported_precision, start_replica_group
 from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -87,6 +90,9 @@ class FSDPTrainerPrecision(FSDPPrecision, Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        group = fault_tolerance_loop.replica_group_of(getattr(model, "_trainer", None))
+        if group is not None:
+            return self._voted_step(group, optimizer, model, closure, **kwargs)
         scaler = self.scaler
         if scaler is None:
             return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
@@ -101,6 +107,33 @@ class FSDPTrainerPrecision(FSDPPrecision, Precision):
         step_output = scaler.step(optimizer, **kwargs)
         scaler.update()
         return step_output
+
+    def _voted_step(self, group: Any, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any],
+                    **kwargs: Any) -> Any:
+        """Under fault tolerance: the window's last forward and backward, clipping (on the gradients the groups
+        averaged in that backward), then the optimizer's step only if the groups' vote commits. The closure runs
+        here, not inside ``optimizer.step``, because the vote must come between the two; an optimizer that calls
+        its closure itself (LBFGS) is refused at setup. fp16's GradScaler is refused at setup too."""
+        aborted = True
+        with group.aborting():  # a peer group that died mid-backward ends the step here, reset
+            closure_result = closure()
+            aborted = False
+        if aborted:
+            fault_tolerance_loop.forget_closure_result(closure)
+        elif closure_result is None and model.automatic_optimization:
+            raise RuntimeError(
+                "`training_step` returned None under fault_tolerance. Every rank of every replica group must run"
+                " the step's backward, or the groups' cross-group average and vote never pair up. HINT: return the"
+                " loss from every `training_step` (multiply it by 0 to make a batch count for nothing)."
+            )
+        else:
+            self._after_closure(model, optimizer)  # on_before_optimizer_step and gradient clipping
+        if not group.commit():
+            for param_group in optimizer.param_groups:  # the window's gradients belong to a step not taken
+                for param in param_group["params"]:
+                    param.grad = None
+            return None
+        return optimizer.step(**kwargs)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         # Like torch's `clip_grad_norm_`, which Lightning calls for other strategies: a non-finite norm is no error
@@ -254,7 +287,46 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
             loop.inference_mode = False
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.config.fault_tolerance is not None:
+                self._join_replica_group(trainer)
         self.setup_precision_plugin()
+
+    def _join_replica_group(self, trainer: Trainer) -> None:
+        """Refuse what the groups' vote cannot gate, then join this rank's replica group (collective)."""
+        ft = self.config.fault_tolerance
+        module = self.lightning_module
+        assert ft is not None and module is not None and self.model is not None
+        if not module.automatic_optimization:
+            raise ValueError(bad_argument(
+                "fault_tolerance", ft, "a LightningModule with automatic optimization",
+                "Set `self.automatic_optimization = True` and let the Trainer step the optimizer, or train with"
+                " Fabric, where `optimizer.step()` returns the groups' vote (docs/guides/fault-tolerance.md).",
+                problem="manual optimization steps the optimizer in `training_step`, where no vote can gate it",
+            ))
+        # Several optimizers need manual optimization, which Lightning itself refuses them without: one is left.
+        (optimizer,) = self.optimizers
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(bad_argument(
+                "fault_tolerance", ft, "an optimizer that does not call its closure itself",
+                "Use an optimizer whose step needs no closure (SGD, Adam, AdamW, ...), or turn fault_tolerance off.",
+                problem="LBFGS re-runs the forward and backward inside its step, after the groups' vote",
+            ))
+        refuse_unsupported_precision(ft, self.precision_plugin)
+        fault_tolerance_loop.register()
+        self._replica_group = self._new_replica_group(trainer)
+
+    def _new_replica_group(self, trainer: Trainer) -> Any:
+        assert self.config.fault_tolerance is not None and self.model is not None
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        return start_replica_group(self.config.fault_tolerance, self.model, self.optimizers, device=self.root_device,
+                                   schedulers=schedulers)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # The window of an optimizer step opens at its first batch. `begin_window` does nothing while a window is
+        # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window
+        # and a resumed mid-window run included, without repeating Lightning's arithmetic of where windows end.
+        if self.replica_group is not None:
+            self.replica_group.begin_window()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         # A second `fit` builds new optimizers on the sharded parameters; the previous ones point at nothing valid.
@@ -281,6 +353,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
 
     def teardown(self) -> None:
         self._background_saves.wait(self._engine)
+        self._close_replica_group()  # this group leaves the quorum; a later `fit` joins again
         # Lightning's teardown would move the model to CPU and tear down a CheckpointIO this strategy does not use.
         self.precision_plugin.teardown()
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -241,6 +241,21 @@ THROUGHPUT_COMPUTE_DTYPE = "_plugin_to_compute_dtype"
 TRAINER_CKPT_PATH_PARSE = "_parse_ckpt_path"
 
 
+# The two Trainer sites fault tolerance wraps (`_fronts/fault_tolerance_loop.py`): the automatic optimization's step,
+# after which the loop counts the optimizer step (`trainer.global_step`), and the epoch loop's stepping of the LR
+# schedulers. A step the replica groups did not commit must move neither.
+TRAINER_OPTIMIZER_STEP = "_optimizer_step"
+TRAINER_LR_SCHEDULERS_STEP = "update_lr_schedulers"
+
+
+def trainer_step_sites() -> tuple[type, type]:
+    """The classes that hold :data:`TRAINER_OPTIMIZER_STEP` and :data:`TRAINER_LR_SCHEDULERS_STEP`."""
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return _AutomaticOptimization, _TrainingEpochLoop
+
+
 def trainer_checkpoint_connector() -> type:
     """The Trainer's checkpoint connector class, which holds :data:`TRAINER_CKPT_PATH_PARSE`."""
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -265,7 +280,9 @@ def _check_names() -> None:
                         (TrainerConnector, CONNECTOR_STRATEGY_CHECK), (FabricConnector, CONNECTOR_PRECISION_CHOICE),
                         (TrainerConnector, CONNECTOR_PRECISION_CHOICE), (_Fabric, FABRIC_SETUP_CHECK),
                         (fabric_throughput, THROUGHPUT_COMPUTE_DTYPE), (trainer_throughput, THROUGHPUT_COMPUTE_DTYPE),
-                        (trainer_checkpoint_connector(), TRAINER_CKPT_PATH_PARSE)):
+                        (trainer_checkpoint_connector(), TRAINER_CKPT_PATH_PARSE),
+                        (trainer_step_sites()[0], TRAINER_OPTIMIZER_STEP),
+                        (trainer_step_sites()[1], TRAINER_LR_SCHEDULERS_STEP)):
         if not hasattr(owner, name):
             raise ImportError(
                 f"lightning-fsdp needs `{getattr(owner, '__qualname__', owner.__name__)}.{name}`, which torch"
@@ -281,6 +298,9 @@ _check_names()
 __all__ = [
     "TRAINER_CKPT_PATH_PARSE",
     "trainer_checkpoint_connector",
+    "TRAINER_OPTIMIZER_STEP",
+    "TRAINER_LR_SCHEDULERS_STEP",
+    "trainer_step_sites",
     "planner_tools",
     "FabricSubprocessScriptLauncher",
     "TrainerSubprocessScriptLauncher",
