@@ -321,7 +321,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         return start_replica_group(self.config.fault_tolerance, self.model, self.optimizers, device=self.root_device,
                                    schedulers=schedulers)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The window of an optimizer step opens at its first batch. `begin_window` does nothing while a window is
         # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window
         # and a resumed mid-window run included, without repeating Lightning's arithmetic of where windows end.
