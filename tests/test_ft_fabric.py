@@ -93,6 +93,10 @@ def test_a_group_killed_in_forward_backward_and_the_optimizer_step_heals_and_end
     # No step of group 0 waited out a timeout: a dead peer fails the step at once, and the next quorum forms when the
     # restarted group joins (the bound against a hang: the quorum timeout, 30 s).
     assert first["longest_step_s"] < 30, first["longest_step_s"]
+    # One copy of the state is written: by the group ranked 0 in the last quorum (both asked, each to its own path).
+    written = sorted(p.name for p in tmp_path.glob("checkpoint*"))
+    assert written == ["checkpoint0"], written
+    assert (tmp_path / "checkpoint0" / ".metadata").is_file()
     want = _reference()
     for name, tensor in want.items():
         assert torch.equal(first["weights"][name], tensor), name

@@ -81,6 +81,10 @@ class StepCheckpoints:
         checkpoints that retention no longer keeps. Call it on every rank."""
         step = int(state[self.step_key]) if step is None else int(step)
         path = self.path(step)
+        # Under fault tolerance one replica group writes and prunes (`FrontMixin._writes_checkpoints`); the others
+        # return the path that group writes.
+        if not getattr(self.fabric.strategy, "_writes_checkpoints", lambda: True)():
+            return path
         self.fabric.save(path, state)
         if self.keep_last is not None:
             strategy = self.fabric.strategy

@@ -399,6 +399,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, Path], storage_options: Optional[Any] = None
     ) -> None:
+        if not self._writes_checkpoints():  # fault tolerance: one group writes; the others hold the same state
+            return
         storage_options = self._storage_options(storage_options)
         if self.config.state_dict_type == "full":
             self._background_saves.wait(self._engine)
@@ -447,7 +449,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         # `ModelCheckpoint(save_top_k=...)` drops old checkpoints right after the save that supersedes them returns;
         # a background save is not written yet then, so the removal waits for its commit (see `checkpoint.in_flight`).
-        if not self.is_global_zero:
+        if not self.is_global_zero or not self._writes_checkpoints():
             return
         # Through the store with the strategy's `storage_options`, as the checkpoint was saved (one built from the
         # environment alone may hold no credentials, or another endpoint).

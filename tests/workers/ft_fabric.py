@@ -92,6 +92,8 @@ def main(replica_id: int, out: Path, steps: int, kill: str) -> None:
         longest = max(longest, time.monotonic() - started)
         if kill_step < 0:  # counted from the attempt's first window (where a restarted attempt heals)
             kill_step = step + int(after) if after else steps + 1
+    # Each group asks to save to a path of its own: only the group ranked 0 in the last quorum writes.
+    fabric.save(out / f"checkpoint{replica_id}", {"model": model, "optimizer": optimizer, "step": group.current_step})
     full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     torch.save({"weights": full, "steps": group.current_step, "uncommitted": uncommitted, "healed": healed,
                 "longest_step_s": longest}, out / f"group{replica_id}.pt")
