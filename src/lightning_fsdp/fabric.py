@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -218,14 +218,14 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple:
-        module = self._setup(module, optimizers)
+        module = self._setup(module, optimizers, [scheduler] if scheduler is not None else [])
         # Lightning 2.5's `Fabric.setup` unpacks (module, optimizers); 2.6 also passes and unpacks the scheduler.
         return (module, optimizers, scheduler) if FABRIC_SETUP_TAKES_SCHEDULER else (module, optimizers)
 
     def setup_module(self, module: Module) -> Module:
         return self._setup(module, [])
 
-    def _setup(self, module: Module, optimizers: list[Optimizer]) -> Module:
+    def _setup(self, module: Module, optimizers: list[Optimizer], schedulers: Sequence[Any] = ()) -> Module:
         ft = self.config.fault_tolerance
         if ft is not None:
             refuse_second_setup(ft, self._replica_group, optimizers)
@@ -233,7 +233,9 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         module = self._engine.setup_module(module, self.precision.mixed_precision_policy(), optimizers)
         rank_zero_info(self._engine.last_summary)
         if ft is not None:
-            self._replica_group = start_replica_group(ft, module, optimizers, device=self.root_device)
+            # The scheduler given to `fabric.setup` (Lightning 2.6) is healed with the rest.
+            self._replica_group = start_replica_group(ft, module, optimizers, device=self.root_device,
+                                                      schedulers=schedulers)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
