@@ -202,8 +202,8 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
     # Each request runs in a copy of the caller's context: its retries spend the caller's one budget
     # (remote_errors.one_budget, opened by the load) instead of a fresh bound per pool thread, so an outage fails
     # the load within LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
-    pending = deque(needs)
-    assembling: dict[int, tuple[bytearray, list[int]]] = {}  # id of a need -> (its buffer, [bytes filled])
+    pending = _Pending(needs)
+    assembling: dict[int, tuple[bytearray, list[int]]] = {}  # index in pending.needs -> (its buffer, [bytes filled])
     # The window is one of bytes: at most `window` requests, or more small ones (up to SMALL_REQUESTS times as many)
     # while the bytes they ask for stay within `window * size`; so the bodies alive are at most window * size bytes
     # either way. Small requests are mostly round trips (rank 0 of benchmarks/object_storage.py reads ~100 replicated
@@ -238,14 +238,35 @@ def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optiona
             for _, future in futures:
                 future.cancel()
             raise
-    if pending:  # cannot happen: every need lies in the requests made for it
-        raise RuntimeError(f"internal error: {len(pending)} ranges were never served; please report it")
+    if pending.left:  # cannot happen: every need lies in the requests made for it
+        raise RuntimeError(f"internal error: {pending.left} ranges were never served; please report it")
 
 
-def _serve(name: str, start: int, end: int, body: memoryview, pending: deque,
+class _Pending:
+    """The needs not yet served, sorted as the requests are. A request serves needs from the first one unserved
+    onwards, so the scan starts at ``head`` (moved past every served need) instead of copying and searching a list
+    of every need per request: that was quadratic in the needs (a checkpoint of many small items)."""
+
+    def __init__(self, needs: list) -> None:
+        self.needs = needs
+        self.served = [False] * len(needs)
+        self.head = 0
+        self.left = len(needs)
+
+    def serve(self, index: int) -> None:
+        self.served[index] = True
+        self.left -= 1
+        while self.head < len(self.needs) and self.served[self.head]:
+            self.head += 1
+
+
+def _serve(name: str, start: int, end: int, body: memoryview, pending: _Pending,
            assembling: dict[int, tuple[bytearray, list[int]]]) -> None:
     """Hand each pending need that this request's bytes ``[start, end)`` of ``name`` complete to its consumer."""
-    for need in list(pending):
+    for index in range(pending.head, len(pending.needs)):
+        if pending.served[index]:
+            continue
+        need = pending.needs[index]
         need_name, need_start, need_end, consume = need
         if need_name != name:  # the needs are sorted by (object, start), as the requests are
             if need_name > name:
@@ -255,15 +276,15 @@ def _serve(name: str, start: int, end: int, body: memoryview, pending: deque,
             break
         if need_end <= start:
             continue
-        if id(need) not in assembling and start <= need_start and need_end <= end:
+        if index not in assembling and start <= need_start and need_end <= end:
+            pending.serve(index)
             consume(body[need_start - start:need_end - start])
-            pending.remove(need)
             continue
-        buffer, filled = assembling.setdefault(id(need), (bytearray(need_end - need_start), [0]))
+        buffer, filled = assembling.setdefault(index, (bytearray(need_end - need_start), [0]))
         low, high = max(start, need_start), min(end, need_end)
         buffer[low - need_start:high - need_start] = body[low - start:high - start]
         filled[0] += high - low
         if filled[0] >= need_end - need_start:
-            del assembling[id(need)]
-            pending.remove(need)
+            del assembling[index]
+            pending.serve(index)
             consume(memoryview(buffer))
