@@ -34,6 +34,7 @@ from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp._fronts.replica import (
     drop_gradients,
     refuse_second_setup,
+    refuse_unsupported_layout,
     refuse_unsupported_precision,
     start_replica_group,
 )
@@ -230,6 +231,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         if ft is not None:
             refuse_second_setup(ft, self._replica_group, optimizers)
             refuse_unsupported_precision(ft, self.precision)
+            refuse_unsupported_layout(ft, self.config.sharding_strategy, self.world_size,
+                                      self.config.tensor_parallel.size)
         module = self._engine.setup_module(module, self.precision.mixed_precision_policy(), optimizers)
         rank_zero_info(self._engine.last_summary)
         if ft is not None:

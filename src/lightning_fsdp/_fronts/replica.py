@@ -27,7 +27,14 @@ from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
 from lightning_fsdp.engine.fault_tolerance.group import ReplicaGroup, fsdp_roots
 from lightning_fsdp.engine.fault_tolerance.transport import HealTransport
 
-__all__ = ["ExtraState", "drop_gradients", "refuse_second_setup", "refuse_unsupported_precision", "start_replica_group"]
+__all__ = [
+    "ExtraState",
+    "drop_gradients",
+    "refuse_second_setup",
+    "refuse_unsupported_layout",
+    "refuse_unsupported_precision",
+    "start_replica_group",
+]
 
 HEAL_KEY = "lightning_fsdp"
 
@@ -92,6 +99,30 @@ def refuse_unsupported_precision(config: FaultTolerance, precision: Any) -> None
             "Use precision='bf16-mixed' (no loss scaling), or turn fault_tolerance off.",
             problem=f"precision={name!r} scales the loss with a GradScaler, whose skipped steps the groups' vote"
                     " cannot see",
+        ))
+
+
+def refuse_unsupported_layout(config: FaultTolerance, sharding_strategy: Any, world_size: int,
+                              tensor_parallel_size: int = 1) -> None:
+    """Each group must shard over a 1-D mesh of its own ranks: the cross-group average hooks FSDP's reduce-scatter
+    on that mesh. NO_SHARD on several ranks replicates inside the group instead (a 2-D ``(world, 1)`` mesh, like
+    hybrid sharding, which the argument's parse refuses). Tensor parallelism inside a group is refused too: the heal
+    of TP-sharded parameters and optimizer state and the hook on a ``(shard, tp)`` mesh have not been tested."""
+    name = getattr(sharding_strategy, "value", sharding_strategy)
+    if name == "NO_SHARD" and world_size > 1:
+        raise ValueError(bad_argument(
+            "fault_tolerance", config, "sharding_strategy 'FULL_SHARD' or 'SHARD_GRAD_OP' when a group has several"
+            " ranks", "Use sharding_strategy='FULL_SHARD' (or 'SHARD_GRAD_OP', which keeps parameters unsharded"
+            " between forward and backward), or turn fault_tolerance off.",
+            problem=f"sharding_strategy='NO_SHARD' replicates over this group's {world_size} ranks, and the replica"
+                    " groups are already the replicate axis",
+        ))
+    if tensor_parallel_size > 1:
+        raise ValueError(bad_argument(
+            "fault_tolerance", config, "tensor_parallel_size=1 (no tensor parallelism) under fault tolerance",
+            "Drop tensor_parallel_size/tensor_parallel_plan, or turn fault_tolerance off.",
+            problem=f"tensor_parallel_size={tensor_parallel_size}: healing TP-sharded state across groups is not"
+                    " supported yet",
         ))
 
 
