@@ -179,7 +179,9 @@ def test_a_crafted_metadata_path_is_refused_before_anything_is_allocated():
 
     from lightning_fsdp.checkpoint.fit import saved_template
 
-    tensor, pickled = SimpleNamespace(size=torch.Size([2]), properties=SimpleNamespace(dtype=torch.float32)), object()
+    chunk = SimpleNamespace(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    tensor = SimpleNamespace(size=torch.Size([2]), properties=SimpleNamespace(dtype=torch.float32), chunks=[chunk])
+    pickled = object()
     entries = {"cb.a": tensor, "cb.l.0": tensor, "cb.l.1": pickled}
     paths = {"cb.a": ("cb", "a"), "cb.l.0": ("cb", "l", 0), "cb.l.1": ("cb", "l", 1)}
     built = saved_template(entries, paths, "cb")
@@ -187,3 +189,14 @@ def test_a_crafted_metadata_path_is_refused_before_anything_is_allocated():
     for crafted in [("cb", "l", 10**12), ("cb", "x", 0), ("cb", "a", 0)]:
         with pytest.raises(ValueError, match=r"places 'cb\.l\.0' at .* does not fit .*HINT"):
             saved_template(entries, {**paths, "cb.l.0": crafted}, "cb")
+    # Review (2026-11-28): a leaf listed after a container at its own path replaced that container silently (the
+    # other order was refused), and a tensor's chunks were never checked against its shape: `torch.empty` of any
+    # claimed shape, handed to the callback with uninitialised bytes where no chunk was read.
+    with pytest.raises(ValueError, match=r"places 'cb\.b' at .* does not fit"):
+        saved_template({"cb.b.c": tensor, "cb.b": tensor}, {"cb.b.c": ("cb", "b", "c"), "cb.b": ("cb", "b")}, "cb")
+    half = SimpleNamespace(size=torch.Size([4]), properties=tensor.properties, chunks=[chunk])
+    huge = SimpleNamespace(size=torch.Size([2**20, 2**20]), properties=tensor.properties, chunks=[chunk])
+    for meta in (half, huge):
+        with pytest.raises(ValueError, match=r"'cb\.a' the shape .* chunks that do not cover it exactly.*HINT"):
+            saved_template({"cb.a": meta}, {"cb.a": ("cb", "a")}, "cb")
+    assert torch.equal(built["a"], torch.zeros(2))  # zeroed, never uninitialised memory

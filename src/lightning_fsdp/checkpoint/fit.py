@@ -24,6 +24,8 @@ asks for it, into plain tensors of the saved shapes (:func:`saved_template`).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -220,22 +222,40 @@ def saved_template(entries: Mapping[str, Any], paths: Mapping[str, tuple], key: 
         node: Any = root
         for i, part in enumerate(path):
             last = i == len(path) - 1
-            size = _shape_of_metadata(meta) if last else None
-            new = (None if size is None else torch.empty(size, dtype=meta.properties.dtype)) if last else (
-                [] if isinstance(path[i + 1], int) else {})
+            new = _empty_leaf(flat, meta) if last else ([] if isinstance(path[i + 1], int) else {})
+            held: Any = None  # what the path's place held before: a leaf must not replace a container
             if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(entries):
                 node.extend([None] * (part + 1 - len(node)))
+                held = node[part]
                 node[part] = new if last or node[part] is None else node[part]
             elif isinstance(node, dict) and isinstance(part, str):
+                held = node.get(part)
                 node[part] = new if last else node.get(part, new)
             else:
                 part = None  # refused below
-            if part is None or ".".join(map(str, path)) != flat or (not last and type(node[part]) is not type(new)):
+            if part is None or ".".join(map(str, path)) != flat or (not last and type(node[part]) is not type(new)) \
+                    or (last and isinstance(held, (dict, list))):
                 raise ValueError(f"DCP's .metadata places {flat!r} at {path!r}, which does not fit the other entries"
                                  f" of {key!r}. HINT: the checkpoint is damaged or was not written by DCP; load an"
                                  " earlier one.")
             node = node[part]
     return root[key]
+
+
+def _empty_leaf(flat: str, meta: Any) -> Optional[torch.Tensor]:
+    """A zeroed tensor of the saved shape and dtype (None for a pickled value), once the saved chunks are seen to
+    cover exactly that shape: a crafted ``.metadata`` must not size an allocation its chunks do not account for."""
+    size = _shape_of_metadata(meta)
+    if size is None:
+        return None
+    numel = math.prod(size)
+    chunks = list(getattr(meta, "chunks", None) or [])
+    inside = all(len(c.offsets) == len(size) == len(c.sizes) and all(
+        0 <= o and 0 <= n and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size)) for c in chunks)
+    if not inside or sum(math.prod(c.sizes) for c in chunks) != numel:
+        raise ValueError(f"DCP's .metadata gives {flat!r} the shape {list(size)} but chunks that do not cover it"
+                         " exactly. HINT: the checkpoint is damaged or was not written by DCP; load an earlier one.")
+    return torch.zeros(size, dtype=meta.properties.dtype)  # zeros: no byte of the process's memory is handed out
 
 
 def _walked(items: list) -> bool:  # as DCP decides which lists to walk into when it flattens a state dict
