@@ -82,7 +82,8 @@ def test_fp16_mixed_precision_is_refused_at_setup():
     from lightning_fsdp.engine.precision import FSDPPrecision
 
     strategy = FSDPStrategy(fault_tolerance=FT, precision=FSDPPrecision("16-mixed"))
-    with pytest.raises(ValueError, match=r"(?s)fault_tolerance.*'16-mixed'.*GradScaler.*HINT: Use precision='bf16-mixed'"):
+    refusal = r"(?s)fault_tolerance.*'16-mixed'.*GradScaler.*HINT: Use precision='bf16-mixed'"
+    with pytest.raises(ValueError, match=refusal):
         _setup(strategy)
 
 
