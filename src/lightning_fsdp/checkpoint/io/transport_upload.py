@@ -26,6 +26,7 @@ through its file object. :mod:`.sink` decides what to send and when; this module
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import Any, Optional
@@ -53,6 +54,14 @@ class Budget:
         self.per_request = remote_errors.request_timeout_s(self.bound)
         self.spent = 0.0
         self.first_failure: Optional[float] = None
+        self._until = -math.inf
+
+    def spend(self, start: float, end: float) -> None:
+        """Count the failed time ``[start, end]`` less what was counted already: the parts in flight of one upload
+        fail through one outage together, and must spend the bound once, not once per part (as the reads'
+        budget in ``remote_errors`` does)."""
+        self.spent += max(0.0, end - max(start, self._until))
+        self._until = max(self._until, end)
 
 
 def _codes(err: BaseException) -> set[str]:
@@ -103,7 +112,7 @@ class S3Upload:
                     raise lost_write(self.url) from err  # not ours to replace
                 now = time.monotonic()
                 unanswered = min(now - started, budget.per_request)
-                budget.spent += unanswered
+                budget.spend(now - unanswered, now)
                 if budget.first_failure is None:
                     budget.first_failure = now - unanswered
                 left = min(budget.bound - budget.spent, budget.bound - (now - budget.first_failure)) \
@@ -111,8 +120,9 @@ class S3Upload:
                 if transient(err) and left >= 0 and (remote_errors.ATTEMPTS is None
                                                      or attempt < remote_errors.ATTEMPTS):
                     wait = min(remote_errors.BACKOFF_S * 2 ** (attempt - 1), remote_errors.MAX_BACKOFF_S, left)
-                    budget.spent += wait
+                    slept = time.monotonic()
                     await asyncio.sleep(wait)
+                    budget.spend(slept, time.monotonic())
                     continue
                 raise explain(err, self.url, "uploading to", attempts=attempt, seconds=time.monotonic() - first,
                               bound=budget.bound) from err
