@@ -15,6 +15,7 @@ The FSDP model needs a default process group: one rank on a ``HashStore``, made 
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import threading
@@ -255,3 +256,51 @@ def test_a_value_that_cannot_travel_is_named_when_the_payload_is_made(one_rank):
     with pytest.raises(TypeError, match=r"^payload\.optimizers\.0\.param_groups\.0\.dtype: a value of type dtype"
                                         r" .* HINT"):
         heal.produce(model, optimizer, schedulers)
+
+
+# --- review fixes (2026-11-28) ------------------------------------------------------------------------------------
+
+
+def test_a_scheduler_state_with_keys_of_its_own_is_refused_before_anything_is_applied():
+    """Old code: checked only that it was a dict; `load_state_dict` then set any key as an attribute (a received
+    `optimizer` replaced the scheduler's)."""
+    from lightning_fsdp.engine.fault_tolerance.transport import LayoutMismatch
+
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+    good = heal.produce(m, [opt], [scheduler])
+    crafted = dict(good, schedulers=[{**good["schedulers"][0], "optimizer": {"not": "an optimizer"}}])
+    before = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight.add_(1.0)  # the payload's weights differ from the live ones: a partial apply would show
+    with pytest.raises(LayoutMismatch, match=r"an LR scheduler's state.*HINT"):
+        heal.load(crafted, m, [opt], [scheduler])
+    assert scheduler.optimizer is opt and torch.equal(m.weight, before + 1.0)
+
+
+def test_random_states_that_could_not_be_restored_are_refused():
+    from lightning_fsdp.engine.fault_tolerance.transport import LayoutMismatch
+
+    heal.check_rng_state(heal.rng_state())
+    good = heal.rng_state()
+    for bad in [None, {"torch": good["torch"]}, {**good, "torch": good["torch"][:10]},
+                {**good, "python": (3, (1, 2), None)}, {**good, "extra": 1}]:
+        with pytest.raises(LayoutMismatch, match="the random states"):
+            heal.check_rng_state(bad)
+
+
+def test_a_header_claiming_more_bytes_than_the_rank_could_hold_is_refused():
+    """Old code: the production transport had no bound, so a header matching the layout could claim 1 TiB and the
+    receiver allocated it (review, heal_huge)."""
+    from lightning_fsdp._fronts.replica import HEAL_FACTOR, HEAL_SLACK, heal_bytes_limit
+    from lightning_fsdp.engine.fault_tolerance import transport
+
+    m = torch.nn.Linear(4, 4)
+    limit = heal_bytes_limit(m)
+    assert limit == HEAL_FACTOR * (16 + 4) * 4 + HEAL_SLACK
+    layout = {"digest": "d", "entries": []}
+    head = {"format": transport.FORMAT, "step": 3, "layout": layout,
+            "tensors": [["float32", [2**38], 2**40, False]], "tree": {"x": 0}}
+    with pytest.raises(transport.PayloadError, match="over the .* this receiver allows"):
+        transport.parse_header(json.dumps(head).encode(), step=3, layout=layout, max_bytes=limit)

@@ -54,8 +54,9 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
     """Join this rank's group to the others; collective over the group (every rank calls it, after sharding)."""
     optimizers, schedulers = list(optimizers), list(schedulers)
     layout = heal.layout_of(module, optimizers, schedulers)
-    group = ReplicaGroup(config, transport=lambda pg: HealTransport(pg, layout=layout, device=device),
-                         device=device)
+    limit = heal_bytes_limit(module)
+    group = ReplicaGroup(config, transport=lambda pg: HealTransport(pg, layout=layout, device=device,
+                                                                    max_bytes=limit), device=device)
     try:
         group.install(module)
 
@@ -64,6 +65,7 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
                                 loop=extra.produce() if extra is not None else None)
 
         def load(payload: Any) -> None:
+            heal.check_rng_state(payload["strategy"] if isinstance(payload, dict) else None)  # before any change
             rest = heal.load(payload, module, optimizers, schedulers)
             heal.restore_rng_state(rest["strategy"])
             if extra is not None:
@@ -78,6 +80,20 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
         group.close()
         raise
     return group
+
+
+# A heal payload holds this rank's parameter and buffer shards, the optimizer's state for them (two moments for Adam,
+# a few more for others: a factor of 8 leaves room), the random states and small values; a header claiming more is
+# refused before anything is allocated. The payload's exact tensors are not known before the first step (an optimizer
+# has no state yet), hence a bound rather than the list.
+HEAL_FACTOR = 8
+HEAL_SLACK = 64 << 20
+
+
+def heal_bytes_limit(module: Module) -> int:
+    """The most tensor bytes this rank accepts in one heal payload."""
+    local = sum(heal.local_bytes(t) for t in [*module.parameters(), *module.buffers()])
+    return HEAL_FACTOR * local + HEAL_SLACK
 
 
 def _window_opener(group: ReplicaGroup) -> Callable[..., None]:

@@ -212,6 +212,10 @@ def load(payload: Any, model: torch.nn.Module, optimizers: Sequence[torch.optim.
     if type(payload["schedulers"]) is not list or len(payload["schedulers"]) != len(schedulers) \
             or any(type(s) is not dict for s in payload["schedulers"]):
         raise _mismatch("the LR schedulers", len(schedulers), payload["schedulers"])
+    for scheduler, state in zip(schedulers, payload["schedulers"]):
+        # `load_state_dict` of torch's schedulers updates the object's __dict__ with every key: only its own keys.
+        if set(state) != set(scheduler.state_dict()):
+            raise _mismatch("an LR scheduler's state", sorted(scheduler.state_dict()), sorted(map(str, state)))
     with torch.no_grad():
         for target, source in copies:
             target.copy_(source)
@@ -220,6 +224,29 @@ def load(payload: Any, model: torch.nn.Module, optimizers: Sequence[torch.optim.
     for scheduler, state in zip(schedulers, payload["schedulers"]):
         scheduler.load_state_dict(state)
     return {key: payload[key] for key in ("loop", "strategy", "manager")}
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """The bytes of this rank's part of ``t`` (its local shard when it is a DTensor)."""
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def check_rng_state(state: Any) -> None:
+    """Refuse random states that :func:`restore_rng_state` could not apply whole (checked before a heal changes
+    anything): the torch state must be a byte tensor of this build's size, Python's a version, 625 ints and a
+    gauss value."""
+    ok = type(state) is dict and set(state) <= {"torch", "python", "cuda", "numpy"} and set(state) >= {"torch", "python"}
+    if ok:
+        torch_state, python = state["torch"], state["python"]
+        ok = isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8 \
+            and torch_state.shape == torch.get_rng_state().shape
+        ok = ok and isinstance(python, (list, tuple)) and len(python) == 3 and isinstance(python[0], int) \
+            and isinstance(python[1], (list, tuple)) and len(python[1]) == 625 \
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in python[1]) \
+            and (python[2] is None or isinstance(python[2], float))
+    if not ok:
+        raise _mismatch("the random states", "torch's and Python's generator states", state)
 
 
 def rng_state() -> dict:
