@@ -173,6 +173,21 @@ def test_a_setting_obstore_cannot_take_keeps_s3fs(stored, options):
     assert transport_download.client_for(fs) is None
 
 
+@pytest.mark.parametrize("endpoint", ["https://s3-fips.us-east-1.amazonaws.com",
+                                      "https://bucket.vpce-0a1b-xyz.s3.us-east-1.vpce.amazonaws.com",
+                                      "https://s3.dualstack.us-east-1.amazonaws.com"])
+def test_an_aws_endpoint_obstore_would_replace_keeps_s3fs(stored, endpoint):
+    """Review (2026-11-28): any *.amazonaws.com endpoint was dropped and obstore's public regional one used instead,
+    so signed GETs left a FIPS or PrivateLink setup for the public endpoint."""
+    import s3fs
+
+    fs = remote_errors.bounded_filesystem(s3fs.S3FileSystem, "s3", {"endpoint_url": endpoint,
+                                                                    "client_kwargs": {"region_name": "us-east-1"}})
+    assert transport_download.client_for(fs) is None
+    for plain in ("https://s3.amazonaws.com", "https://s3.us-east-1.amazonaws.com", "http://127.0.0.1:9000"):
+        assert transport_download._plain_aws_or_custom(plain, "us-east-1"), plain
+
+
 def test_anonymous_and_turned_off(stored, monkeypatch):
     import s3fs
 

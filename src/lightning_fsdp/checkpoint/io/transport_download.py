@@ -89,6 +89,17 @@ def _translatable(fs: Any) -> bool:
     return not set(getattr(fs, "kwargs", None) or {}) - _SESSION_KWARGS
 
 
+def _plain_aws_or_custom(endpoint: Optional[str], region: Optional[str]) -> bool:
+    """Whether obstore reaches the same place botocore would: any endpoint outside AWS (given to obstore as it is),
+    or AWS's own public S3 endpoint, which obstore builds from the region. Any other ``amazonaws.com`` host (FIPS,
+    dualstack, a PrivateLink ``vpce`` endpoint, chosen by the user or by botocore from the environment) stays with
+    s3fs: obstore would drop it and send signed requests to the public endpoint instead."""
+    host = (endpoint or "").split("://", 1)[-1].split("/", 1)[0].lower()
+    if not host.endswith(".amazonaws.com"):
+        return True
+    return host in ("s3.amazonaws.com", f"s3.{region}.amazonaws.com") if region else host == "s3.amazonaws.com"
+
+
 def _make(fs: Any) -> Optional["FastRanges"]:
     if not (hasattr(fs, "_call_s3") and hasattr(fs, "split_path") and hasattr(fs, "connect")):
         return None
@@ -104,6 +115,8 @@ def _make(fs: Any) -> Optional["FastRanges"]:
     if getattr(config, "proxies", None) or getattr(config, "client_cert", None):
         return None
     endpoint = meta.endpoint_url
+    if not _plain_aws_or_custom(endpoint, meta.region_name):
+        return None  # FIPS, dualstack, PrivateLink (vpce) or another AWS host: obstore would send to its own default
     signed = not (getattr(fs, "anon", False) or _unsigned(config))
     credentials = client._get_credentials() if signed else None
     if signed and credentials is None:
@@ -188,7 +201,12 @@ class FastRanges:
             if bucket not in self._stores:
                 from obstore.store import S3Store
 
-                self._stores[bucket] = S3Store(bucket, **self._kwargs)
+                kwargs = dict(self._kwargs)
+                if "." in bucket and "endpoint" not in kwargs:
+                    # AWS's certificate covers one level below s3.<region>.amazonaws.com: a dotted bucket name in the
+                    # host fails TLS, so such a bucket is addressed by path (as botocore does).
+                    kwargs["virtual_hosted_style_request"] = False
+                self._stores[bucket] = S3Store(bucket, **kwargs)
             return self._stores[bucket]
 
     def read(self, url: str, start: int, end: int, view: memoryview, reached: list[int], committed: int) -> None:
