@@ -50,7 +50,11 @@ from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.secrets import StorageOptions
 from lightning_fsdp._fronts import fault_tolerance_loop
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
-from lightning_fsdp._fronts.replica import refuse_unsupported_precision, start_replica_group
+from lightning_fsdp._fronts.replica import (
+    refuse_unsupported_layout,
+    refuse_unsupported_precision,
+    start_replica_group,
+)
 from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -312,6 +316,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
                 problem="LBFGS re-runs the forward and backward inside its step, after the groups' vote",
             ))
         refuse_unsupported_precision(ft, self.precision_plugin)
+        refuse_unsupported_layout(ft, self.config.sharding_strategy, self.world_size, self.config.tensor_parallel.size)
         fault_tolerance_loop.register()
         self._replica_group = self._new_replica_group(trainer)
 
