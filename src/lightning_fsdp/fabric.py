@@ -38,6 +38,7 @@ from lightning_fsdp._fronts.replica import (
     refuse_unsupported_precision,
     start_replica_group,
 )
+from lightning_fsdp._fronts.replica_checkpoint import restore_replica_state, with_replica_state
 from lightning_fsdp.engine.config import FSDPConfig, HybridNoSync, MeshInput, ShardingInput, StateDictType
 from lightning_fsdp.engine.fault_tolerance.config import FaultTolerance
 from lightning_fsdp.engine.core import FSDPEngine
@@ -324,6 +325,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
         background = self._background_saves if self.config.async_save and not full else None
         if background is None:
             self._background_saves.wait(self._engine)
+        # Under fault tolerance torchft's step goes with the state, so a whole-job restart resumes at it.
+        state = with_replica_state(self._replica_group, state)
         checkpoint.save_checkpoint(path, state, full=full, comm=self._engine, filter=filter, background=background,
                                    storage_options=storage_options)
 
@@ -344,8 +347,11 @@ class FSDPStrategy(FrontMixin, ParallelStrategy, _Sharded):
                 " pass them like so: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         self._background_saves.wait(self._engine)
-        return checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only, comm=self._engine,
-                                          storage_options=options)
+        remainder = checkpoint.load_checkpoint(path, state, strict=strict, weights_only=weights_only,
+                                               comm=self._engine, storage_options=options)
+        if isinstance(state, dict):  # a resume; a bare module (`fabric.load_raw`) leaves torchft's step alone
+            restore_replica_state(self._replica_group, remainder, path)
+        return remainder
 
 class _EngineBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, engine: FSDPEngine) -> None:

@@ -48,13 +48,14 @@ from lightning_fsdp import averaging, checkpoint
 from lightning_fsdp._base.compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.secrets import StorageOptions
-from lightning_fsdp._fronts import fault_tolerance_loop
+from lightning_fsdp._fronts import fault_tolerance_loop, trainer_heal
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp._fronts.replica import (
     refuse_unsupported_layout,
     refuse_unsupported_precision,
     start_replica_group,
 )
+from lightning_fsdp._fronts.replica_checkpoint import restore_replica_state, with_replica_state
 from lightning_fsdp.checkpoint.formats.lightning_layouts import (
     TRAINER_MODEL_KEY,
     TRAINER_OPTIMIZER_LIST_KEY,
@@ -221,6 +222,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         self._background_saves = checkpoint.AsyncSaves()
         self._sharded: Optional[Module] = None
         self._restored_checkpoint: Optional[dict[str, Any]] = None  # what `load_checkpoint` last returned
+        self._loop_position: Optional[trainer_heal.LoopPosition] = None  # fault tolerance: the loop's heal state
         self.num_nodes = 1
 
     # --- properties Lightning reads -----------------------------------------------------------------------
@@ -318,19 +320,33 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         refuse_unsupported_precision(ft, self.precision_plugin)
         refuse_unsupported_layout(ft, self.config.sharding_strategy, self.world_size, self.config.tensor_parallel.size)
         fault_tolerance_loop.register()
+        trainer_heal.register()
+        # Kept across fits with its cursor (the data position); see `_fronts/trainer_heal.py` for the heal's design.
+        if self._loop_position is None or self._loop_position.trainer is not trainer:
+            self._loop_position = trainer_heal.LoopPosition(trainer)
         self._replica_group = self._new_replica_group(trainer)
 
     def _new_replica_group(self, trainer: Trainer) -> Any:
         assert self.config.fault_tolerance is not None and self.model is not None
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         return start_replica_group(self.config.fault_tolerance, self.model, self.optimizers, device=self.root_device,
-                                   schedulers=schedulers)
+                                   schedulers=schedulers, extra=self._loop_position)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Under fault tolerance the training loader reads through the cursor a heal positions (`trainer_heal.py`).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._loop_position is not None and self.replica_group is not None and trainer is not None \
+                and trainer.training:
+            return self._loop_position.wrap_training_loader(dataloader)
+        return dataloader
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The window of an optimizer step opens at its first batch. `begin_window` does nothing while a window is
         # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window
         # and a resumed mid-window run included, without repeating Lightning's arithmetic of where windows end.
         if self.replica_group is not None:
+            if self._loop_position is not None:  # what a peer healing in this window receives, if it opens one
+                self._loop_position.snapshot(at_batch_start=True)
             self.replica_group.begin_window()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -406,6 +422,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
     ) -> None:
         if not self._writes_checkpoints():  # fault tolerance: one group writes; the others hold the same state
             return
+        checkpoint = with_replica_state(self._replica_group, checkpoint)  # torchft's step, for a whole-job restart
         storage_options = self._storage_options(storage_options)
         if self.config.state_dict_type == "full":
             self._background_saves.wait(self._engine)
@@ -448,6 +465,8 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
             checkpoint_path, state, strict=strict, weights_only=weights_only, comm=self._engine,
             storage_options=options, read_whole=_sharded_extra,
         )
+        # torchft's step; a checkpoint without it resumes torchft at its global_step, which the loop checks against.
+        restore_replica_state(self._replica_group, loaded, checkpoint_path, fallback_step=loaded.get("global_step", 0))
         self._restored_checkpoint = averaging.complete_for_callback(loaded, self.model, average, averaged)
         return self._restored_checkpoint
 

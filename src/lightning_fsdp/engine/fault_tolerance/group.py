@@ -218,6 +218,20 @@ class ReplicaGroup:
     def current_step(self) -> int:
         return self.manager.current_step()
 
+    def state_dict(self) -> dict[str, int]:
+        """torchft's counters for a checkpoint: ``step`` (the committed steps) and ``batches_committed``."""
+        return {key: int(value) for key, value in self.manager.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Set torchft's counters from a checkpoint (checked by the caller), between windows. Groups restarted from
+        the same checkpoint then meet at its step, and none heals from another; a group that loads an older one than
+        its live peers heals from them at its next window."""
+        if self._window_open:  # the quorum in flight was asked with the old step
+            raise RuntimeError("ReplicaGroup.load_state_dict() was called inside a window. HINT: load the checkpoint"
+                               " before the step's first forward (after `fabric.setup`, or between steps).")
+        self.manager.load_state_dict({"step": int(state["step"]),
+                                      "batches_committed": int(state["batches_committed"])})
+
     def participating_rank(self) -> Optional[int]:
         """This group's rank in the current quorum (None while it heals); waits for the quorum."""
         try:

@@ -1,0 +1,73 @@
+"""torchft's counters in the checkpoints of both fronts, under fault tolerance (docs/guides/fault-tolerance.md).
+
+A checkpoint written by a replica group holds, beside the user's state, torchft's count of committed steps and of
+batches committed across groups (``ReplicaGroup.state_dict()``) under :data:`STATE_KEY`. A load puts them back
+before the next window, so after a whole-job restart every group, loading the same checkpoint, joins the first
+quorum at the saved step: no group is behind another, none heals, and training goes on from exactly that step.
+
+A checkpoint without the key (saved with fault tolerance off, or before it was stored) loads with this rule: on the
+Fabric front torchft counts from step 0, as a fresh start would; on the Trainer front from the checkpoint's
+``global_step``, which the Trainer's loop requires to equal torchft's count (``ReplicaGroup.check_step``). A value
+that is not a pair of ints >= 0 is refused before anything is applied.
+
+The key belongs to the strategy: it is never handed to the caller with the rest of a load, and a user's state may not
+use it while fault tolerance is on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from lightning_fsdp._base.errors import bad_argument
+
+__all__ = ["STATE_KEY", "restore_replica_state", "with_replica_state"]
+
+STATE_KEY = "fault_tolerance"
+_FIELDS = ("step", "batches_committed")
+
+
+def with_replica_state(group: Optional[Any], state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with the group's torchft counters added (a new dict; the caller's is left as it is). Without a
+    group, ``state`` itself."""
+    if group is None:
+        return state  # type: ignore[return-value]
+    if STATE_KEY in state:
+        raise ValueError(bad_argument(
+            f"state[{STATE_KEY!r}]", state[STATE_KEY], f"no entry named {STATE_KEY!r} in a checkpoint's state while"
+            " fault_tolerance is on", f"Rename your entry: the strategy stores torchft's step under {STATE_KEY!r}.",
+            problem="The key is the strategy's own under fault tolerance",
+        ))
+    return {**state, STATE_KEY: group.state_dict()}
+
+
+def restore_replica_state(group: Optional[Any], remainder: dict[str, Any], path: Union[str, Path], *,
+                          fallback_step: Any = 0) -> None:
+    """Take the torchft counters out of a load's ``remainder`` (what the checkpoint held beyond the requested
+    state) and, under fault tolerance, give them to ``group``; ``fallback_step`` is the step of a checkpoint that
+    has none (see the module's rule). Raises ``ValueError`` naming ``path`` for a value that is not valid."""
+    saved = remainder.pop(STATE_KEY, None)
+    if group is None:
+        return
+    if saved is None:
+        _check_count(path, "the step to resume at (a checkpoint without torchft's step)", fallback_step)
+        state = {"step": int(fallback_step), "batches_committed": 0}
+    else:
+        if not isinstance(saved, dict) or sorted(saved) != sorted(_FIELDS):
+            raise ValueError(
+                f"The checkpoint {str(path)!r} holds {STATE_KEY}={saved!r}, not torchft's counters. Allowed: a dict"
+                f" with exactly the keys {', '.join(map(repr, _FIELDS))}, each an int >= 0. HINT: load a checkpoint"
+                " that this strategy saved; this one was altered or written by another tool."
+            )
+        for name in _FIELDS:
+            _check_count(path, f"{STATE_KEY}[{name!r}]", saved[name])
+        state = {name: int(saved[name]) for name in _FIELDS}
+    group.load_state_dict(state)
+
+
+def _check_count(path: Union[str, Path], what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} holds {what} = {value!r}. Allowed: an int >= 0. HINT: load a checkpoint"
+            " that this strategy saved; this one was altered or written by another tool."
+        )
