@@ -21,6 +21,9 @@ bound, :func:`.remote_errors.client_options`). Errors are said as s3fs's are: a 
 ``FileNotFoundError``, a refusal ``PermissionError``, a 5xx or a broken connection ``ConnectionError`` (transient), a
 range past the object's end (416) or a size other than COMMIT's is the caller's damage. An answer obstore cannot
 place (a redirect to another region, say) turns the fast path off for that filesystem and the request goes to s3fs.
+obstore puts the error body in its message, and an S3 error body can echo what the request was signed with (AWS's
+``SignatureDoesNotMatch`` names the access key id, the string to sign and the signature): those elements are masked
+in what is said, and obstore's own exception is not chained to ours (botocore, behind s3fs, never shows the body).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 import threading
 import weakref
 from typing import Any, Optional
@@ -220,7 +224,7 @@ class FastRanges:
         try:
             result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
         except Exception as err:  # noqa: BLE001
-            raise _said(err) from err
+            raise _said(err) from None  # obstore's text holds the body unmasked: not shown in a traceback
         total = (result.meta or {}).get("size")
         if total is not None and int(total) != committed:
             raise Short(f"{url!r} has {total} bytes, its commit records {committed}. HINT: the checkpoint is damaged;"
@@ -256,7 +260,7 @@ class Short(Exception):
 def _said(err: BaseException) -> BaseException:
     """obstore's error as s3fs says it (the same classes), so that the store's retry and its messages treat both
     alike: they wrap it with the URL, the operation and their own HINT."""
-    text = str(err)
+    text = masked_body(str(err))
     first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
     status = _status(text)
     if status == 416 or "InvalidRange" in text:
@@ -272,6 +276,17 @@ def _said(err: BaseException) -> BaseException:
             or "error sending request" in text or "timed out" in text.lower() or "connection" in text.lower():
         return ConnectionError(f"{first}. HINT: a transient failure, retried within LFSDP_STORE_TIMEOUT_S")
     return Unplaced(f"{first}. HINT: read through s3fs, which may place it")
+
+
+# Elements of an S3 error body that repeat the request's signing inputs: the access key id counts as a secret here
+# (``_base.secrets`` masks the ``key`` option), and the string to sign and signature help nobody but an attacker.
+_ECHOED = re.compile(r"<(AWSAccessKeyId|AccessKeyId|StringToSign(?:Bytes)?|CanonicalRequest(?:Bytes)?|"
+                     r"SignatureProvided)>.*?</\1>", re.S)
+
+
+def masked_body(text: str) -> str:
+    """``text`` with the signing inputs an S3 error body echoes masked (the elements kept, their values not)."""
+    return _ECHOED.sub(lambda m: f"<{m.group(1)}>***</{m.group(1)}>", text)
 
 
 def _status(text: str) -> Optional[int]:
