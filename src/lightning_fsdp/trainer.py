@@ -48,7 +48,7 @@ from lightning_fsdp import averaging, checkpoint
 from lightning_fsdp._base.compat import TrainerSubprocessScriptLauncher as _SubprocessScriptLauncher
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._base.secrets import StorageOptions
-from lightning_fsdp._fronts import fault_tolerance_loop
+from lightning_fsdp._fronts import fault_tolerance_loop, trainer_heal
 from lightning_fsdp._fronts.mixin import FrontMixin, config_arguments
 from lightning_fsdp._fronts.replica import (
     refuse_unsupported_layout,
@@ -222,6 +222,7 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         self._background_saves = checkpoint.AsyncSaves()
         self._sharded: Optional[Module] = None
         self._restored_checkpoint: Optional[dict[str, Any]] = None  # what `load_checkpoint` last returned
+        self._loop_position: Optional[trainer_heal.LoopPosition] = None  # fault tolerance: the loop's heal state
         self.num_nodes = 1
 
     # --- properties Lightning reads -----------------------------------------------------------------------
@@ -319,19 +320,33 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         refuse_unsupported_precision(ft, self.precision_plugin)
         refuse_unsupported_layout(ft, self.config.sharding_strategy, self.world_size, self.config.tensor_parallel.size)
         fault_tolerance_loop.register()
+        trainer_heal.register()
+        # Kept across fits with its cursor (the data position); see `_fronts/trainer_heal.py` for the heal's design.
+        if self._loop_position is None or self._loop_position.trainer is not trainer:
+            self._loop_position = trainer_heal.LoopPosition(trainer)
         self._replica_group = self._new_replica_group(trainer)
 
     def _new_replica_group(self, trainer: Trainer) -> Any:
         assert self.config.fault_tolerance is not None and self.model is not None
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         return start_replica_group(self.config.fault_tolerance, self.model, self.optimizers, device=self.root_device,
-                                   schedulers=schedulers)
+                                   schedulers=schedulers, extra=self._loop_position)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # Under fault tolerance the training loader reads through the cursor a heal positions (`trainer_heal.py`).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._loop_position is not None and self.replica_group is not None and trainer is not None \
+                and trainer.training:
+            return self._loop_position.wrap_training_loader(dataloader)
+        return dataloader
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The window of an optimizer step opens at its first batch. `begin_window` does nothing while a window is
         # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window
         # and a resumed mid-window run included, without repeating Lightning's arithmetic of where windows end.
         if self.replica_group is not None:
+            if self._loop_position is not None:  # what a peer healing in this window receives, if it opens one
+                self._loop_position.snapshot(at_batch_start=True)
             self.replica_group.begin_window()
 
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -31,6 +31,7 @@ class ScriptedGroup:
         self.steps = 0  # committed steps: torchft's `current_step`
         self.checked: list[int] = []
         self.closed = False
+        self.manager = None  # no torchft: nothing to heal (`trainer_heal.apply_heal_now`)
 
     def begin_window(self) -> None:
         if self.window_open:
@@ -48,6 +49,9 @@ class ScriptedGroup:
         self.committed = self.votes.pop(0)
         self.steps += self.committed
         return self.committed
+
+    def participating_rank(self) -> int:
+        return 0  # the quorum the fit loop waits for before its first batch: this group alone, nothing to heal
 
     def check_step(self, committed_steps: int) -> None:
         self.checked.append(committed_steps)

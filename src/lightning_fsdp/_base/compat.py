@@ -256,6 +256,18 @@ def trainer_step_sites() -> tuple[type, type]:
     return _AutomaticOptimization, _TrainingEpochLoop
 
 
+# The fit loop's `run`, which fault tolerance wraps (`_fronts/trainer_heal.py`): a replica group's first window opens,
+# and a restarted group heals its loop position, before the loop builds its data iterator and resumes from its counters.
+TRAINER_FIT_RUN = "run"
+
+
+def trainer_fit_loop() -> type:
+    """The class that holds :data:`TRAINER_FIT_RUN`."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    return _FitLoop
+
+
 def trainer_checkpoint_connector() -> type:
     """The Trainer's checkpoint connector class, which holds :data:`TRAINER_CKPT_PATH_PARSE`."""
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -282,7 +294,8 @@ def _check_names() -> None:
                         (fabric_throughput, THROUGHPUT_COMPUTE_DTYPE), (trainer_throughput, THROUGHPUT_COMPUTE_DTYPE),
                         (trainer_checkpoint_connector(), TRAINER_CKPT_PATH_PARSE),
                         (trainer_step_sites()[0], TRAINER_OPTIMIZER_STEP),
-                        (trainer_step_sites()[1], TRAINER_LR_SCHEDULERS_STEP)):
+                        (trainer_step_sites()[1], TRAINER_LR_SCHEDULERS_STEP),
+                        (trainer_fit_loop(), TRAINER_FIT_RUN)):
         if not hasattr(owner, name):
             raise ImportError(
                 f"lightning-fsdp needs `{getattr(owner, '__qualname__', owner.__name__)}.{name}`, which torch"
@@ -301,6 +314,8 @@ __all__ = [
     "TRAINER_OPTIMIZER_STEP",
     "TRAINER_LR_SCHEDULERS_STEP",
     "trainer_step_sites",
+    "TRAINER_FIT_RUN",
+    "trainer_fit_loop",
     "planner_tools",
     "FabricSubprocessScriptLauncher",
     "TrainerSubprocessScriptLauncher",

@@ -7,8 +7,9 @@ hook returns, and then steps the ``interval="step"`` LR schedulers. Two of its m
 after a vote that did not commit
 
 - ``_AutomaticOptimization._optimizer_step`` puts the optimizer-step progress (ready and completed, total and
-  current) back where it was before the hook, so ``global_step`` does not advance; after a committed vote it checks
-  the invariant that torchft counts as many committed steps as ``global_step``;
+  current) back where it was before the hook, so ``global_step`` does not advance; when the group healed inside the
+  window (a live group that fell a step behind, ``_fronts/trainer_heal.py``) it takes the sender's count; after a
+  committed vote it checks the invariant that torchft counts as many committed steps as ``global_step``;
 - ``_TrainingEpochLoop.update_lr_schedulers("step", ...)`` returns without stepping; ``interval="epoch"`` schedulers
   step at the epoch's end as usual.
 
@@ -68,7 +69,10 @@ def _counted_only_when_committed(original: Callable[..., None]) -> Callable[...,
             return  # a strategy that accumulates itself routes every batch here; only the window's last one votes
         if group.committed is False:
             step.load_state_dict(before)  # Lightning counted a step that was not taken
-        elif group.committed:
+        position = getattr(self.trainer.strategy, "_loop_position", None)
+        if position is not None:  # a group that healed inside this window counts the sender's steps
+            position.after_vote(step, bool(group.committed))
+        if group.committed:
             group.check_step(self.trainer.global_step)
 
     return _optimizer_step

@@ -1,0 +1,239 @@
+"""The Trainer's loop position under fault tolerance: what a healing group receives of it, and where it is applied.
+
+A replica group that restarts must continue where the live groups are: the same ``global_step`` (the optimizer-step
+progress), epoch, batch index and ``_batches_that_stepped``, and from then on the same batches. The model, optimizer,
+LR schedulers and random states travel in the heal payload (``_fronts/replica.py``); this module adds the loop, as
+the payload's ``loop`` entry (:class:`LoopPosition`, the ``extra`` state of ``start_replica_group``).
+
+**Where the heal takes place: before the fit loop starts.** ``_FitLoop.run`` is wrapped (:func:`register`): before
+it runs, every group opens its first window there and waits for that window's quorum. That is after Lightning has
+restored ``ckpt_path`` (so a heal overrides an older checkpoint, never the reverse) and run the sanity check, and
+before the fit loop builds its data iterator and decides, from its counters, how to resume. A group that must heal
+applies the received state at once, there, instead of at the window's vote where torchft applies it: the loop state
+is then loaded as Lightning loads a checkpoint's loops (``fit_loop.load_state_dict``, which marks the loops as
+restarting), and Lightning's own resume logic continues from it. The window opened there is the first training window
+(the Trainer's ``on_train_batch_start`` finds it open), so the group votes once for it. The healed group takes no part
+in that window's average (torchft zeroes the gradients of a group that was not at the newest step), and steps with
+the average of the others at its vote, as on Fabric.
+
+**What is sent: the loop state at the window's start.** A live group takes ``fit_loop.state_dict()`` on its main thread
+at each batch's ``on_train_batch_start``, before the window's quorum starts (torchft's thread reads it while the main
+thread waits for the quorum in the root's first forward, so the counters never change under it). At that point
+Lightning has counted batch ``k`` as fetched but not started; the snapshot is rewritten to the batch boundary before
+it (``k`` batches of epoch ``e`` done, ``ready == started == processed == completed``), a state Lightning resumes
+from at batch ``k`` without counting anything twice (its ``RESTARTED_ON_LAST`` stage in both Lightning 2.5 and 2.6).
+A stateful loader's own state (``combined_loader``) is not sent; the data position below is the one that moves.
+
+**The data.** Lightning cannot resume a plain map-style loader mid-epoch: it starts the epoch's iterator from the
+beginning and would train on batches ``0..`` at batch index ``k``. So the training loader's sampler is wrapped in a
+:class:`~lightning_fsdp.engine.fault_tolerance.data.CursorSampler` on the strategy's cursor
+(:meth:`LoopPosition.wrap_training_loader`, from ``FSDPStrategy.process_dataloader``), and a heal seeks it to sample
+``k * batch_size`` of epoch ``e`` before the fit loop's first fetch: the healed group's next batch is the live
+groups' next batch. Refused at setup: a training loader without torch's ``BatchSampler`` over a sampler with a
+length (an ``IterableDataset``, a custom batch sampler), which no cursor can position.
+
+**A live group that fell a step behind** (its vote failed where the others' committed) heals at its next window's vote,
+inside the loop, as torchft does. Its batch position is already the others' (every group consumes every window's
+batches), which is checked; only its optimizer-step count moves to the sender's (:meth:`LoopPosition.after_vote`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sized
+from typing import Any, Callable, Optional
+
+from torch.utils.data import BatchSampler
+
+from lightning_fsdp._base.compat import TRAINER_FIT_RUN, trainer_fit_loop
+from lightning_fsdp._base.errors import bad_argument
+from lightning_fsdp._fronts.patching import wrap_once
+from lightning_fsdp.engine.fault_tolerance.config import FaultToleranceError
+from lightning_fsdp.engine.fault_tolerance.data import CursorSampler, DataCursor
+
+__all__ = ["LoopPosition", "apply_heal_now", "register"]
+
+_BATCHES = "epoch_loop.batch_progress"
+_EPOCHS = "epoch_progress"
+_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+# Lightning warns on a mid-epoch resume of a loader that is not `_Stateful`; after a heal the cursor positions it.
+_NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+class LoopPosition:
+    """The ``extra`` heal state of a Trainer group: ``produce()`` on a live group, ``load(tree)`` on a healing one."""
+
+    def __init__(self, trainer: Any, cursor: Optional[DataCursor] = None) -> None:
+        self.trainer = trainer
+        self.cursor = cursor if cursor is not None else DataCursor()
+        self.sampler: Optional[CursorSampler] = None
+        self.batch_size = 0
+        self.healed = False  # this group's loop was healed before its fit loop ran
+        self._snapshot: Optional[dict] = None
+        self._running = False
+        self._pending_batches: Optional[int] = None  # the heal's batch index, applied once the loader is wrapped
+        self._align_steps: Optional[dict] = None
+
+    # --- the sender ------------------------------------------------------------------------------------------------
+
+    def snapshot(self, at_batch_start: bool) -> None:
+        """Take the loop state a heal of this window would send (main thread, before the window's quorum starts)."""
+        state = self.trainer.fit_loop.state_dict()
+        own = state.get("state_dict")
+        if isinstance(own, dict):
+            own.pop("combined_loader", None)
+        if at_batch_start:  # batch k was counted as fetched: rewrite to "k batches done"
+            batches = state[_BATCHES]
+            for part in ("total", "current"):
+                batches[part]["ready"] -= 1
+            batches["is_last_batch"] = False
+        self._snapshot = state
+
+    def produce(self) -> Any:
+        return self._snapshot
+
+    # --- the healer ------------------------------------------------------------------------------------------------
+
+    def load(self, tree: Any) -> None:
+        own = self.trainer.fit_loop.state_dict()
+        own.get("state_dict", {}).pop("combined_loader", None)
+        _check_shape(tree, own, "loop")
+        if self._running:
+            self._align(tree)
+        else:
+            self._restore(tree)
+
+    def _restore(self, tree: dict) -> None:
+        self.trainer.fit_loop.load_state_dict(tree)  # as Lightning restores a checkpoint's loops: restarting
+        epoch, batches = tree[_EPOCHS]["current"]["processed"], tree[_BATCHES]["current"]["ready"]
+        self.cursor.jump(epoch, 0)
+        self._pending_batches = batches
+        if self.sampler is not None:  # the loader was wrapped before (a second fit)
+            self._seek()
+        self.healed = True
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+
+    def _align(self, tree: dict) -> None:
+        here, there = _position(self._snapshot), _position(tree)
+        if here != there:
+            raise FaultToleranceError(
+                f"A running Trainer group must heal, and its loop is at (epoch, batches) {here} while the group it"
+                f" heals from is at {there}: its batches cannot be realigned inside the loop. HINT: let this group's"
+                " launcher restart it (torchrun --max-restarts): a restarted group heals its loop position before"
+                " its fit loop starts."
+            )
+        self._align_steps = tree[_STEPS]["optimizer"]["step"]
+
+    def after_vote(self, step_progress: Any, committed: bool) -> None:
+        """After a window's vote (``step_progress``: the loop's optimizer-step progress): when this window healed
+        inside the loop, count the steps the sender had counted at the window's start, plus this window's if it
+        committed, so that ``global_step`` is torchft's step again."""
+        state, self._align_steps = self._align_steps, None
+        if state is None:
+            return
+        add = 1 if committed else 0
+        step_progress.load_state_dict({part: {k: v + add for k, v in state[part].items()} for part in state})
+
+    # --- the data ----------------------------------------------------------------------------------------------------
+
+    def wrap_training_loader(self, dataloader: Any) -> Any:
+        """Put the cursor under the training loader's batches (its ``BatchSampler``'s sampler, in place)."""
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        inner = getattr(batch_sampler, "sampler", None)
+        if type(batch_sampler) is not BatchSampler or not isinstance(inner, Sized):
+            raise ValueError(bad_argument(
+                "fault_tolerance", type(dataloader).__name__,
+                "a training DataLoader over a map-style dataset with a `batch_size` (torch's BatchSampler over a"
+                " sampler with a length)",
+                "Train from a map-style Dataset with `DataLoader(dataset, batch_size=...)` (any sampler with a"
+                " length), or turn fault_tolerance off.",
+                problem="A healed group must start at the live groups' batch, and only a sampler of indices can be"
+                        " positioned there",
+            ))
+        if isinstance(inner, CursorSampler):  # a loader this strategy wrapped before (a second fit)
+            inner = inner.sampler
+        self.sampler = CursorSampler(inner, self.cursor)
+        batch_sampler.sampler = self.sampler
+        self.batch_size = batch_sampler.batch_size
+        if self._pending_batches is not None:
+            self._seek()
+        return dataloader
+
+    def _seek(self) -> None:
+        assert self.sampler is not None and self._pending_batches is not None
+        self.sampler.seek(self.cursor.epoch, self._pending_batches * self.batch_size)
+        self._pending_batches = None
+
+
+def apply_heal_now(group: Any) -> bool:
+    """After the quorum of a window: when this group heals in it, apply the received state now, on the main thread,
+    rather than at the window's vote. torchft's synchronous-quorum mode does the same at ``start_quorum`` (its
+    ``_apply_pending_state_dict``, then ``_healing = False``); the group still takes no part in the window's average
+    (it was not at the newest step, so ``participating_rank`` is None). Returns whether it healed. A heal whose
+    transfer failed leaves torchft's state as it is: the window's vote then fails, as it would have."""
+    manager = getattr(group, "manager", None)
+    if manager is None or not getattr(manager, "_healing", False):
+        return False
+    if getattr(manager, "_pending_state_dict", None) is None:
+        return False
+    manager._apply_pending_state_dict()
+    manager._healing = False
+    return True
+
+
+def loop_position_of(trainer: Any) -> Optional[LoopPosition]:
+    return getattr(getattr(trainer, "strategy", None), "_loop_position", None)
+
+
+def register() -> None:
+    """Wrap ``_FitLoop.run`` (idempotent)."""
+    wrap_once(trainer_fit_loop(), TRAINER_FIT_RUN, _first_window_before_the_loop)
+
+
+def _first_window_before_the_loop(original: Callable[..., None]) -> Callable[..., None]:
+    def run(self: Any) -> None:
+        trainer = self.trainer
+        position = loop_position_of(trainer)
+        group = getattr(getattr(trainer, "strategy", None), "replica_group", None)
+        if position is None or group is None:
+            return original(self)
+        if not _finished(self):
+            position.snapshot(at_batch_start=False)  # what a peer healing in this window receives
+            group.begin_window()
+            group.participating_rank()  # waits for the quorum, and for a heal transfer to this group
+            apply_heal_now(group)
+        position._running = True
+        try:
+            return original(self)
+        finally:
+            position._running = False
+
+    return run
+
+
+def _finished(fit_loop: Any) -> bool:
+    """``max_steps`` or ``max_epochs`` already reached (``fit_loop.done`` without its messages): no window opens."""
+    steps, epochs = fit_loop.max_steps, fit_loop.max_epochs
+    if steps is not None and steps != -1 and fit_loop.epoch_loop.global_step >= steps:
+        return True
+    return epochs is not None and epochs != -1 and fit_loop.epoch_progress.current.processed >= epochs
+
+
+def _position(state: Any) -> tuple[int, int]:
+    return state[_EPOCHS]["current"]["processed"], state[_BATCHES]["total"]["ready"]
+
+
+def _check_shape(tree: Any, own: Any, path: str) -> None:
+    """The received loop state has exactly this loop's keys, with ints and bools where this one has them."""
+    if isinstance(own, Mapping):
+        if not isinstance(tree, Mapping) or set(tree) != set(own):
+            raise FaultToleranceError(
+                f"The healed loop state at {path} has keys {sorted(tree) if isinstance(tree, Mapping) else tree!r:.200}"
+                f", this Trainer's loop has {sorted(own)}. HINT: every group must run the same Lightning version and"
+                " the same loops."
+            )
+        for key in own:
+            _check_shape(tree[key], own[key], f"{path}.{key}")
+    elif isinstance(own, (bool, int)) and type(tree) is not type(own):
+        raise FaultToleranceError(f"The healed loop state's {path} is {tree!r:.80}, not a {type(own).__name__}."
+                                  " HINT: every group must run the same Lightning version.")
