@@ -58,7 +58,7 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
 @pytest.mark.single_process
 def test_the_example_loses_a_rank_of_group_1_restarts_it_with_torchrun_and_ends_bit_for_bit(tmp_path):
     out = tmp_path / "run"
-    env = script_env(RUST_LOG="warn")
+    env = script_env()
     # A warm server for this environment before the run (the suite's other scripts share it): otherwise the first
     # ranks start as real processes while the server imports.
     forkserver.wait_until_serving(forkserver.prewarm(env), timeout_s=120)

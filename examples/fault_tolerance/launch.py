@@ -42,9 +42,10 @@ def start_lighthouse(min_replicas: int, log: Path) -> tuple[subprocess.Popen, st
     # sys.executable -m: the same Python (and installation) as this script, whether or not its bin/ is on PATH.
     # A short join timeout: the quorum does not wait long for a group beyond --min-replicas. A short heartbeat timeout:
     # a dead group stops counting as live after a second.
+    env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft logs every quorum at INFO otherwise
     proc = subprocess.Popen([sys.executable, "-m", "lightning_fsdp", "lighthouse", "--min-replicas", str(min_replicas),
                              "--bind", "[::]:0", "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000"],
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)  # noqa: SIM115 - the child's
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)  # noqa: SIM115 - the child's
     line = proc.stdout.readline()  # "lighthouse serving at http://<host>:<port> ..."
     found = re.search(r"http://\S+", line)
     if found is None:
@@ -62,7 +63,7 @@ def start_group(replica_id: int, args: argparse.Namespace, lighthouse: str) -> s
                str(HERE / "train.py"), "--steps", str(args.steps), "--out", str(args.out),
                "--min-replicas", str(args.min_replicas)]
     if replica_id == 1:
-        command += ["--kill-at-step", str(args.kill_at_step)]
+        command += ["--kill-at-step", str(args.kill_at_step), "--kill-rank", str(args.kill_rank)]
     log = open(args.out / f"group{replica_id}.log", "w")  # noqa: SIM115 - the child's; closed at exit
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -89,6 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-at-step", type=int, default=8, help="-1: no fault")
+    parser.add_argument("--kill-rank", type=int, default=1, help="which rank of group 1 dies")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per group")
     parser.add_argument("--max-restarts", type=int, default=3, help="torchrun's restarts of a group")
     parser.add_argument("--min-replicas", type=int, default=2, help="groups a step needs")

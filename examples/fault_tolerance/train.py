@@ -10,7 +10,7 @@ Run one ``torchrun`` per group (``launch.py`` in this folder does it all on one 
     REPLICA_GROUP_ID=1 torchrun --nproc-per-node 2 --max-restarts 3 --master-port 29700 train.py \
         --min-replicas 2 --out run --kill-at-step 8
 
-``--kill-at-step K`` makes group rank 1 SIGKILL itself when the group reaches committed step K, on the group's first
+``--kill-at-step K`` makes group rank 1 (``--kill-rank``) SIGKILL itself when the group reaches committed step K, on the group's first
 attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0): torchrun then stops the group's other rank and starts
 the whole group again, which heals from a live group and trains on.
 
@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="committed steps to train")
     parser.add_argument("--out", type=Path, default=Path("runs/fault_tolerance"), help="where the records go")
     parser.add_argument("--kill-at-step", type=int, default=-1, metavar="K",
-                        help="group rank 1 SIGKILLs itself at committed step K, on the group's first attempt only")
+                        help="a rank SIGKILLs itself at committed step K, on the group's first attempt only")
+    parser.add_argument("--kill-rank", type=int, default=1, help="which group rank --kill-at-step kills")
     parser.add_argument("--min-replicas", type=int, default=1,
                         help="groups a step needs to commit (as the lighthouse's --min-replicas)")
     args = parser.parse_args()
@@ -95,8 +96,8 @@ def main() -> None:
     longest = 0.0
     while group.current_step < args.steps:  # committed steps: a healed group goes on from the others' count
         step = group.current_step
-        if step == args.kill_at_step and attempt == 0 and rank == 1:
-            print(f"group {replica_id} rank 1: SIGKILL at step {step}", flush=True)
+        if step == args.kill_at_step and attempt == 0 and rank == args.kill_rank:
+            print(f"group {replica_id} rank {rank}: SIGKILL at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         started = time.monotonic()
         x, y = batch(step, rank, ranks)
