@@ -43,6 +43,8 @@ SCRIPTS: dict[str, tuple[str, list[str], list[str]]] = {
     "tensor_parallel": ("tensor_parallel_figures.py", [], ["--size", "tiny", "--rounds", "2", "--steps", "1"]),
     "plan": ("plan_speed.py", [], ["--quick", "--rounds", "1"]),
     "object_storage": ("object_storage.py", [], ["--rounds", "1", "--layers", "2", "--dim", "96"]),
+    "fault_tolerance": ("fault_tolerance.py", [], ["--rounds", "1", "--steps", "4", "--warmup", "2", "--layers", "2",
+                                                   "--dim", "128", "--vocab", "512"]),
 }
 
 
