@@ -1,6 +1,6 @@
 """``examples/fault_tolerance`` run end to end as its README says (issue 44): two replica groups of two ranks, each its
 own torchrun, meet at a lighthouse started with ``lightning-fsdp lighthouse``; a rank of group 1 SIGKILLs itself
-mid-run, torchrun restarts the whole group, and it heals from group 0, which never stops. Both groups end with the
+in the middle of a backward, torchrun restarts the whole group, and it heals from group 0, which never stops. Both groups end with the
 weights of a run without faults, bit for bit, computed here."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_the_example_loses_a_rank_of_group_1_restarts_it_with_torchrun_and_ends_
     forkserver.wait_until_serving(forkserver.prewarm(env), timeout_s=120)
     # The launcher, torchrun, the lighthouse and the ranks are all forked (each starts the next with sys.executable).
     proc = subprocess.Popen([forkserver.python(), str(EXAMPLE / "launch.py"), "--steps", str(STEPS), "--kill-at-step",
-                             str(KILL_AT), "--out", str(out)], cwd=tmp_path, env=env, text=True,
+                             str(KILL_AT), "--kill-in", "backward", "--out", str(out)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=300)  # bounds a hang only: the run takes seconds
@@ -75,7 +75,9 @@ def test_the_example_loses_a_rank_of_group_1_restarts_it_with_torchrun_and_ends_
     groups = "\n".join((out / f"group{g}.log").read_text()[-3000:] for g in (0, 1) if (out / f"group{g}.log").exists())
     assert proc.returncode == 0, log[-4000:] + groups
     assert f"both groups finished {STEPS} steps with equal weights" in log, log[-4000:]
-    assert f"group 1 rank 1: SIGKILL at step {KILL_AT}" in (out / "group1.log").read_text(), groups
+    group1_log = (out / "group1.log").read_text()
+    assert f"group 1 rank 1: SIGKILL at step {KILL_AT}, backward" in group1_log, groups
+    assert "failed (exitcode: -9) local_rank: 1" in group1_log, groups  # torchrun saw the SIGKILL, not an error
     first, second = (torch.load(out / f"group{g}.pt") for g in (0, 1))
     # Group 0's two ranks are the processes that started (never restarted); group 1 started twice (torchrun's restart
     # of the whole group after its rank 1 died), and its records come from the second attempt.
@@ -84,8 +86,13 @@ def test_the_example_loses_a_rank_of_group_1_restarts_it_with_torchrun_and_ends_
     pids1 = (out / "pids1").read_text().split()
     assert len(pids1) == 4 and set(pids1[2:]) == set(map(str, second["pids"])), (pids1, second["pids"])
     # The restarted group started at step 0 and healed at its first window, to where group 0 waited (KILL_AT: a step
-    # needs both groups); group 0 never healed.
+    # needs both groups); group 0 never healed. Group 0's step KILL_AT did not commit on either rank (group 1's rank 1
+    # died in its backward, so the cross-group average of the first layer never completed: rank 1's peer is dead, rank
+    # 0's waited in the dead group until torchrun stopped it), nor did the healing window (one group at the newest
+    # step, under min_replicas=2); then both went on.
     assert second["healed"] == [[0, KILL_AT]] and first["healed"] == [], (second["healed"], first["healed"])
+    assert first["uncommitted"] == [KILL_AT, KILL_AT] and second["uncommitted"] == [KILL_AT], (
+        first["uncommitted"], second["uncommitted"])
     # No step of group 0 waited out a timeout (the bound against a hang: the quorum timeout it ran with).
     assert first["longest_step_s"] < first["quorum_timeout_s"], first["longest_step_s"]
     assert first["steps"] == second["steps"] == STEPS

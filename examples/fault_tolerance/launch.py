@@ -63,7 +63,8 @@ def start_group(replica_id: int, args: argparse.Namespace, lighthouse: str) -> s
                str(HERE / "train.py"), "--steps", str(args.steps), "--out", str(args.out),
                "--min-replicas", str(args.min_replicas)]
     if replica_id == 1:
-        command += ["--kill-at-step", str(args.kill_at_step), "--kill-rank", str(args.kill_rank)]
+        command += ["--kill-at-step", str(args.kill_at_step), "--kill-rank", str(args.kill_rank),
+                    "--kill-in", args.kill_in]
     log = open(args.out / f"group{replica_id}.log", "w")  # noqa: SIM115 - the child's; closed at exit
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -82,7 +83,7 @@ def check(out: Path, steps: int) -> list[str]:
         pids = (out / f"pids{g}").read_text().split()
         restarts = len(pids) // len(record["pids"]) - 1
         print(f"group {g}: {record['steps']} steps, restarted {restarts} time(s), healed {record['healed'] or 'never'},"
-              f" {record['uncommitted']} step(s) not committed, longest step {record['longest_step_s']:.2f} s")
+              f" {len(record['uncommitted'])} step(s) not committed, longest step {record['longest_step_s']:.2f} s")
     return problems
 
 
@@ -91,6 +92,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-at-step", type=int, default=8, help="-1: no fault")
     parser.add_argument("--kill-rank", type=int, default=1, help="which rank of group 1 dies")
+    parser.add_argument("--kill-in", choices=["step", "backward"], default="step",
+                        help="where in the step: before its forward, or in the middle of its backward")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per group")
     parser.add_argument("--max-restarts", type=int, default=3, help="torchrun's restarts of a group")
     parser.add_argument("--min-replicas", type=int, default=2, help="groups a step needs")

@@ -20,7 +20,7 @@ a share of its own (``fabric.setup_dataloaders`` cuts the data over every rank o
 rank takes its half of the step's rows, as data parallelism does.
 
 At the end, group rank 0 writes ``<out>/group<REPLICA_GROUP_ID>.pt``: the full weights, the committed steps, where the
-group healed, how many steps did not commit, its longest step and the pids of its ranks. Every process appends its
+group healed, the steps that did not commit, its longest step and the pids of its ranks. Every process appends its
 pid to ``<out>/pids<REPLICA_GROUP_ID>`` when it starts, so a restart shows as more lines.
 """
 
@@ -61,6 +61,10 @@ def batch(step: int, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank::ranks], y[rank::ranks]
 
 
+def _die_in_backward(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    output.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="committed steps to train")
@@ -68,6 +72,8 @@ def main() -> None:
     parser.add_argument("--kill-at-step", type=int, default=-1, metavar="K",
                         help="a rank SIGKILLs itself at committed step K, on the group's first attempt only")
     parser.add_argument("--kill-rank", type=int, default=1, help="which group rank --kill-at-step kills")
+    parser.add_argument("--kill-in", choices=["step", "backward"], default="step",
+                        help="where in step K: before its forward (step) or in the middle of its backward")
     parser.add_argument("--min-replicas", type=int, default=1,
                         help="groups a step needs to commit (as the lighthouse's --min-replicas)")
     args = parser.parse_args()
@@ -85,6 +91,7 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy)
     fabric.launch()
     model = make_model()
+    first_layer = model[0]
     model, optimizer = fabric.setup(model, make_optimizer(model))  # one model with its optimizer, set up together
     group = fabric.strategy.replica_group
     rank, ranks = fabric.global_rank, fabric.world_size  # this group's ranks, not the job's
@@ -92,13 +99,17 @@ def main() -> None:
                  f" {group.current_step}")
 
     healed: list[list[int]] = []
-    uncommitted = 0
+    uncommitted: list[int] = []  # the step each window that did not commit was at
     longest = 0.0
     while group.current_step < args.steps:  # committed steps: a healed group goes on from the others' count
         step = group.current_step
         if step == args.kill_at_step and attempt == 0 and rank == args.kill_rank:
-            print(f"group {replica_id} rank {rank}: SIGKILL at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            print(f"group {replica_id} rank {rank}: SIGKILL at step {step}, {args.kill_in}", flush=True)
+            if args.kill_in == "step":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # In backward: from a hook on the first layer's output gradient, which comes after the last layer's
+            # gradients were reduced and sent to the cross-group average, and before the first layer's.
+            first_layer.register_forward_hook(_die_in_backward)
         started = time.monotonic()
         x, y = batch(step, rank, ranks)
         loss = F.mse_loss(model(x), y)  # the step's window opens here; a group that is behind heals first
@@ -107,7 +118,7 @@ def main() -> None:
             fabric.print(f"group {replica_id} healed from step {step} to step {group.current_step}")
         fabric.backward(loss)
         if not optimizer.step():  # the vote: False when a peer group died during the step (nothing was stepped)
-            uncommitted += 1
+            uncommitted.append(group.current_step)
         optimizer.zero_grad()
         longest = max(longest, time.monotonic() - started)
         if group.current_step % 5 == 0 and group.current_step != step:
@@ -121,7 +132,7 @@ def main() -> None:
                     "longest_step_s": longest, "quorum_timeout_s": group.config.quorum_timeout, "pids": pids,
                     "attempt": attempt}, args.out / f"group{replica_id}.pt")
     fabric.print(f"group {replica_id} finished {group.current_step} steps (attempt {attempt}, healed at {healed},"
-                 f" {uncommitted} steps not committed)")
+                 f" {len(uncommitted)} steps not committed)")
 
 
 if __name__ == "__main__":
