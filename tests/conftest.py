@@ -71,10 +71,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collection_finish(session):
     """Tell the launch pools which test modules have selected tests, and start the pools (see
-    ``launch.start_pools``)."""
+    ``launch.start_pools``) and the selected modules' early runs (``launch.start_early``)."""
     launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
     if session.items and not session.config.option.collectonly:
         launch.start_pools(session.config._tmp_path_factory.mktemp("pools"))
+        launch.start_early_runs(session.config._tmp_path_factory.mktemp("early"))
+
+
+def pytest_sessionfinish(session):
+    """Kill the background runs that no test waited for (a session stopped early: ``-x``, an interrupt)."""
+    launch.stop_background()
 
 
 # LFSDP_TEST_TIMELINE=<file>: one line per test, "<start s> <duration s> <busy %> <test id>", where busy is how much

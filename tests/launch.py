@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -234,6 +236,78 @@ POOL_NICE = 10
 # and the ones after it, then, if the case ends a rank again, for the ones after it alone. A case that ends a rank
 # twice fails, showing its stacks; the cases after it still run and report.
 POOL_RESTARTS = 4
+
+
+# Runs that a test module starts as soon as collection ends, in the background, instead of when its first test needs
+# them: for runs that wait more than they compute (the README's command: real processes starting, then 2 ranks
+# waiting on each other's collectives, 31 s of wall time for 23 s of CPU on the 2-core reference machine), whose wall
+# time in the foreground would leave a core idle. Keyed by test module; each value is what the module's start function
+# returned, taken by its fixture (:func:`early`).
+_EARLY: dict[str, Callable[[Path], Any]] = {}
+_EARLY_STARTED: dict[str, Any] = {}
+_EARLY_DONE: threading.Event | None = None  # set once the thread of start_early_runs has started every run
+_BACKGROUND_PROCS: list[subprocess.Popen] = []
+
+
+def start_early(start: Callable[[Path], Any]) -> Callable[[Path], Any]:
+    """Decorator, at a test module's top level: ``start(folder)`` starts the module's runs when collection ends, if a
+    test of the module is selected (:func:`start_early_runs`); the module's fixture takes what it returned with
+    ``early(__name__)``, or calls ``start`` itself where nothing was started (a run that did not start the pools)."""
+    _EARLY[sys._getframe(1).f_globals.get("__name__", "")] = start
+    return start
+
+
+def start_early_runs(root: Path) -> None:
+    """Call the start function of every selected module that registered one (conftest.py, when collection ends), in a
+    background thread, once a warm server serves the scripts' environment (:func:`script_env`), so that the processes
+    they start with ``forkserver.python()`` are forked rather than real."""
+    selected = {module: start for module, start in _EARLY.items() if SELECTED is None or module in SELECTED}
+    if not selected:
+        return
+    global _EARLY_DONE
+    _EARLY_DONE = done = threading.Event()
+
+    def start_all() -> None:
+        try:
+            forkserver.wait_until_serving(
+                forkserver.prewarm({k: v for k, v in script_env().items() if k not in ("RANK", "LOCAL_RANK")}))
+            for module, start in selected.items():
+                folder = root / module
+                folder.mkdir(parents=True, exist_ok=True)
+                _EARLY_STARTED[module] = start(folder)
+        finally:
+            done.set()
+
+    threading.Thread(target=start_all, name="early-runs", daemon=True).start()
+
+
+def early(module: str) -> Any:
+    """What ``module``'s start function returned in :func:`start_early_runs`, or None if it was not called there."""
+    if _EARLY_DONE is not None:
+        _EARLY_DONE.wait(timeout=120)  # its thread waits for a server at most 60 s
+    return _EARLY_STARTED.pop(module, None)
+
+
+def popen_in_background(command: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(command, **kwargs)`` at the pools' priority (:data:`POOL_NICE`), in a session of its own (so
+    that its niceness counts where the kernel groups processes by session, as ``workers/pool.py`` says): it takes the
+    CPU the foreground tests leave idle. :func:`stop_background` kills what is still running at the session's end."""
+    lower = f'echo {POOL_NICE} > /proc/self/autogroup 2>/dev/null; exec nice -n {POOL_NICE} "$@"'
+    proc = subprocess.Popen(["sh", "-c", lower, "sh", *command], start_new_session=True, **kwargs)
+    _BACKGROUND_PROCS.append(proc)
+    return proc
+
+
+def stop_background(procs: list[subprocess.Popen] | None = None) -> None:
+    """Kill the process group of each of ``procs`` (default: every background run) that is still running: a test that
+    failed before waiting for it, a session that ended before its test."""
+    for proc in _BACKGROUND_PROCS if procs is None else procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int | None, list[str]]:

@@ -9,11 +9,8 @@ import pytest
 import torch
 
 import forkserver
+import launch
 from launch import script_env
-
-# The README command and its full-checkpoint variant side by side, two processes each: both cores stay busy
-# (conftest.py runs such tests late).
-pytestmark = pytest.mark.fills_both_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,37 +18,51 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_VARIANT = ["--steps", "20", "--resume-steps", "10", "--log-every", "10", "--state-dict-type", "full"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """The README command, its `--help` and the full-checkpoint variant, started side by side: each run leaves a core
-    idle much of its time (start-up, the second process's start, saving, loading), so together they take little
-    more than the longest alone. Each runs in a folder of its own, where the default relative ``--out`` lands."""
+@launch.start_early
+def _start(root: Path) -> dict:
+    """The README command, its `--help` and the full-checkpoint variant, started side by side in the background when
+    collection ends (``launch.start_early``), each in a folder of its own, where the default relative ``--out`` lands,
+    its output in ``output.txt`` there. They wait more than they compute: on the 2-core reference machine
+    (2026-11-29) the README command alone took 31 s of wall time for 23 s of CPU (two real processes starting, then
+    waiting on each other's collectives), and the three side by side in the foreground cost the suite 39 s with a core
+    idle half the time. In the background, at the pools' priority, they take the CPU the other tests leave idle, and
+    the tests here read what they left."""
     started = {}
+
+    def run(name: str, command: list[str], **kwargs) -> None:
+        folder = root / name
+        folder.mkdir()
+        with open(folder / "output.txt", "w") as output:  # a file, not a pipe that nobody reads until the test runs
+            proc = launch.popen_in_background(command, cwd=folder, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                              **kwargs)
+        started[name] = (folder, proc)
+
     # The README's command exactly: its script, the venv's own Python, real processes, the default arguments.
-    folder = tmp_path_factory.mktemp("default")
-    started["default"] = (folder, subprocess.Popen(["bash", str(ROOT / "examples" / "train.sh")], cwd=folder,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    run("default", ["bash", str(ROOT / "examples" / "train.sh")])
     # The script passes its arguments on to examples/train_gpt.py (the README's `bash examples/train.sh --steps 300
     # --state-dict-type full`): `--help` shows that in one process that stops before any training.
-    folder = tmp_path_factory.mktemp("help")
-    started["help"] = (folder, subprocess.Popen(["bash", str(ROOT / "examples" / "train.sh"), "--help"], cwd=folder,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    run("help", ["bash", str(ROOT / "examples" / "train.sh"), "--help"])
     # The variant is about the full checkpoint, not the start-up, which the default run holds already: its processes
-    # are forked from the suite's warm servers (tests/forkserver), which saves each the 4 to 5 s of a real start.
-    folder = tmp_path_factory.mktemp("full")
-    started["full"] = (folder, subprocess.Popen(
-        [forkserver.python(), str(ROOT / "examples" / "train_gpt.py"), *FULL_VARIANT, "--out", str(folder / "ck")],
-        cwd=folder, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    # are forked from the suite's warm servers (tests/forkserver), which saves each the 4 to 5 s of a real start (the
+    # forked ranks take the server's priority, not the background's).
+    full = root / "full"
+    run("full", [forkserver.python(), str(ROOT / "examples" / "train_gpt.py"), *FULL_VARIANT, "--out", str(full / "ck")],
+        env=script_env())
+    return started
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The runs started when collection ended, or now where nothing started them."""
+    started = launch.early(__name__) or _start(tmp_path_factory.mktemp("readme"))
     yield started
-    for _, proc in started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    launch.stop_background([proc for _, proc in started.values()])
 
 
 def _finished(runs: dict, name: str) -> tuple[Path, str]:
     folder, proc = runs[name]
-    output, _ = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
+    output = (folder / "output.txt").read_text()
     assert proc.returncode == 0, output[-6000:]
     return folder, output
 
