@@ -15,7 +15,7 @@
    (``HealTransport.bytes_received``: the JSON header and every tensor message) over the bytes of the tensors of the
    state it heals (parameter shards, AdamW state, random generators: ``heal.state_bytes``).
 
-    python benchmarks/fault_tolerance.py [--rounds 5] [--json out.json]
+    python benchmarks/fault_tolerance.py [--rounds 6] [--json out.json]
 
 Each round runs every side once, in an order that alternates from round to round (``rows.alternate``); a side is
 two fresh processes (one per group), then, but for the replicated side, a restarted group 1. The processes run on
@@ -290,8 +290,8 @@ def _median_phases(rounds: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per group and side")
+    parser.add_argument("--rounds", type=int, default=6, help="even: each side goes first as often as last")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per group and side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of both groups together first")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--dim", type=int, default=256)
