@@ -1,6 +1,6 @@
 """Fault tolerance on the Trainer front (issue 44, design note sections 2 and 3): the vote gates the optimizer step,
 ``global_step`` and the step-interval LR schedulers (workers/ft_trainer.py, cases in the 2-rank pool, with a scripted
-group in place of torchft's); the two Lightning sites wrapped for it, pinned by name and signature for the installed
+group in place of torchft's); the three Lightning sites wrapped for it, pinned by name and signature for the installed
 Lightning (run this file under the oldest supported Lightning too); ``fault_tolerance`` in LightningCLI YAML."""
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ results, test_case = case_tests("ft_trainer.py", 2, CASES)
 
 @pytest.mark.single_process
 def test_the_wrapped_lightning_sites_exist_with_the_arguments_the_wrappers_take():
-    from lightning_fsdp._fronts import fault_tolerance_loop
+    from lightning_fsdp._fronts import fault_tolerance_loop, trainer_heal
 
     automatic, epoch_loop = compat.trainer_step_sites()
-    fault_tolerance_loop.register()
-    fault_tolerance_loop.register()  # idempotent: no wrapper around a wrapper
+    for register in (fault_tolerance_loop.register, trainer_heal.register):
+        register()
+        register()  # idempotent: no wrapper around a wrapper
     expected = {(automatic, compat.TRAINER_OPTIMIZER_STEP): ["self", "batch_idx", "train_step_and_backward_closure"],
-                (epoch_loop, compat.TRAINER_LR_SCHEDULERS_STEP): ["self", "interval", "update_plateau_schedulers"]}
+                (epoch_loop, compat.TRAINER_LR_SCHEDULERS_STEP): ["self", "interval", "update_plateau_schedulers"],
+                (compat.trainer_fit_loop(), compat.TRAINER_FIT_RUN): ["self"]}
     for (owner, name), parameters in expected.items():
         wrapper = getattr(owner, name)
         original = wrapper.__wrapped__

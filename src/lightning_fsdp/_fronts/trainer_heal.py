@@ -235,5 +235,7 @@ def _check_shape(tree: Any, own: Any, path: str) -> None:
         for key in own:
             _check_shape(tree[key], own[key], f"{path}.{key}")
     elif isinstance(own, (bool, int)) and type(tree) is not type(own):
-        raise FaultToleranceError(f"The healed loop state's {path} is {tree!r:.80}, not a {type(own).__name__}."
-                                  " HINT: every group must run the same Lightning version.")
+        kind = "a bool" if isinstance(own, bool) else "an int"
+        raise FaultToleranceError(f"The healed loop state's {path} is {tree!r:.80} ({type(tree).__name__}); this"
+                                  f" Trainer's loop holds {kind} there. HINT: every group must run the same Lightning"
+                                  " version.")
