@@ -43,9 +43,10 @@ def start_lighthouse(min_replicas: int, log: Path) -> tuple[subprocess.Popen, st
     # A short join timeout: the quorum does not wait long for a group beyond --min-replicas. A short heartbeat timeout:
     # a dead group stops counting as live after a second.
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft logs every quorum at INFO otherwise
+    errors = open(log, "w")  # noqa: SIM115 - the child's stderr, for as long as it runs
     proc = subprocess.Popen([sys.executable, "-m", "lightning_fsdp", "lighthouse", "--min-replicas", str(min_replicas),
                              "--bind", "[::]:0", "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000"],
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)  # noqa: SIM115 - the child's
+                            stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
     line = proc.stdout.readline()  # "lighthouse serving at http://<host>:<port> ..."
     found = re.search(r"http://\S+", line)
     if found is None:
@@ -76,7 +77,8 @@ def check(out: Path, steps: int) -> list[str]:
     records = {g: torch.load(out / f"group{g}.pt") for g in (0, 1) if (out / f"group{g}.pt").is_file()}
     if len(records) < 2:
         return [f"group{g}.pt is missing" for g in (0, 1) if g not in records]
-    problems = [f"group {g} finished {r['steps']} steps, not {steps}" for g, r in records.items() if r["steps"] != steps]
+    problems = [f"group {g} finished {record['steps']} steps, not {steps}"
+                for g, record in records.items() if record["steps"] != steps]
     first, second = records[0]["weights"], records[1]["weights"]
     problems += [f"{name} differs between the groups" for name in first if not torch.equal(first[name], second[name])]
     for g, record in records.items():

@@ -10,9 +10,10 @@ Run one ``torchrun`` per group (``launch.py`` in this folder does it all on one 
     REPLICA_GROUP_ID=1 torchrun --nproc-per-node 2 --max-restarts 3 --master-port 29700 train.py \
         --min-replicas 2 --out run --kill-at-step 8
 
-``--kill-at-step K`` makes group rank 1 (``--kill-rank``) SIGKILL itself when the group reaches committed step K, on the group's first
-attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0): torchrun then stops the group's other rank and starts
-the whole group again, which heals from a live group and trains on.
+``--kill-at-step K`` makes group rank 1 (``--kill-rank``) SIGKILL itself when the group reaches committed step K (before
+its forward, or in its backward with ``--kill-in backward``), on the group's first attempt only (torchrun's
+``TORCHELASTIC_RESTART_COUNT`` is 0): torchrun then stops the group's other rank and starts the whole group again,
+which heals from a live group and trains on.
 
 Every group trains on the same batch at a step, chosen by the committed step (:func:`batch`): the groups' average is
 then one group's gradient exactly, so that the launcher can check the result bit for bit. A real job gives each group
@@ -113,7 +114,9 @@ def main() -> None:
         started = time.monotonic()
         x, y = batch(step, rank, ranks)
         loss = F.mse_loss(model(x), y)  # the step's window opens here; a group that is behind heals first
-        if group.current_step != step:  # healed: this window's batch was for the old step; it does not commit
+        # Healed: this window's batch was for the old step, but torchft leaves a healing group's gradient out of the
+        # average, so only the live groups' count (and under --min-replicas 2, with one live group, none commits).
+        if group.current_step != step:
             healed.append([step, group.current_step])
             fabric.print(f"group {replica_id} healed from step {step} to step {group.current_step}")
         fabric.backward(loss)
