@@ -6,7 +6,9 @@ staging folder beside ``meta.pt``, and the store uploads them with COMMIT's othe
 ``write_data``: each rank's ``__<rank>_0.distcp`` is written, item after item, into an object opened by
 ``open_object(name, size_hint=bytes)`` -- a context manager with ``write``/``tell`` whose normal end makes the object and whose error
 leaves none (the upload sink, :func:`lightning_fsdp.checkpoint.io.sink.open_upload`; passed in, as this layer may
-not import ``io``).
+not import ``io``). A sink may take several objects (``split_at``, ``next_object``): the shard is then DCP's
+``__<rank>_0.distcp``, ``__<rank>_1.distcp``, ..., as ``FileSystemWriter`` names the files of a rank that writes
+several, each item whole in one of them.
 
 The write loop is ours, not DCP's ``_write_files_from_queue``, which keeps every tensor it wrote alive until its
 file is closed (a dict for its safetensors format) and so holds a whole shard's copy at once. Here, per item:
@@ -56,6 +58,7 @@ _MIN_BLOCK, _MAX_BLOCK, _BLOCKS = 64 * 2**10, 16 * 2**20, 64
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header, 30 bytes
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 _ENDS = 64 * 2**10  # bytes kept of each item's start and end: its zip headers and central directory
+_ZIP_BYTES = 4096  # at most, per item, what torch.save adds to the payload (zip records and the pickle: ~1.5 KiB)
 
 
 def block_size(payload_len: int) -> int:
@@ -191,19 +194,30 @@ class StreamingWriter(ChecksumWriter):
         seed_of, new_hasher = ALGORITHMS[self._algorithm]
         seed = seed_of(self._save_id)
         self._recording.start(lambda: new_hasher(seed))  # the local files `finish` writes go through it
-        name = f"{plan.storage_data.prefix}0.distcp"
+        prefix, index = plan.storage_data.prefix, 0
+        name = f"{prefix}{index}.distcp"
         results: list[WriteResult] = []
         # DCP's order: byte items, then tensors (the offsets it would record are the ones recorded here).
         items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         # Expected bytes (payloads plus about 1.5 KiB of zip per item): the sink raises its part size if S3's part
-        # limit needs it.
-        hint = sum(_item_bytes(item) + 2048 for item in items)
+        # limit needs it, and says whether the shard goes as several objects.
+        hint = sum(_item_bytes(item) + _ZIP_BYTES for item in items)
         with self._open_object(name, size_hint=hint) as sink:
+            # A sink that takes several objects (`split_at`: bytes each should stay under) gets a new one, DCP's next
+            # file name for this rank, before an item that would take the current one past it: each object is
+            # then one PUT (see `io.sink`). An item larger than that is an object of its own.
+            split_at = getattr(sink, "split_at", None)
             for item in items:
+                if split_at and sink.tell() and sink.tell() + _item_bytes(item) + _ZIP_BYTES > split_at:
+                    index += 1
+                    name = f"{prefix}{index}.distcp"
+                    sink.next_object(name)
                 results.append(self._write_item(sink, name, item, planner, lambda: new_hasher(seed)))
             size = sink.tell()
+        written = getattr(sink, "objects", None) or [(name, size, getattr(sink, "digest", None))]
         if self._on_written is not None:
-            self._on_written(name, size, getattr(sink, "digest", None))
+            for object_name, object_size, digest in written:
+                self._on_written(object_name, object_size, digest)
         future: Future = Future()
         future.set_result(results)
         return future

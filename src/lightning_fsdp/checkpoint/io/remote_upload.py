@@ -1,7 +1,7 @@
 """The upload side of a save to object storage.
 
-A sharded save streams each rank's shard file from memory into its object (:func:`open_streamed`, the upload sink:
-:mod:`.sink`), and notes its size and digest as it completes (:func:`note_streamed`); what is left in the local
+A sharded save streams each rank's shard file from memory into its object, or objects (:func:`open_streamed`, the
+upload sink: :mod:`.sink`), and notes each one's size and digest as it completes (:func:`note_streamed`); what is left in the local
 staging folder (rank 0's small files: ``meta.pt``, ``.metadata``, ``checksums.json``; a full save's file) is put by
 :func:`upload`, which returns the rank's part of the COMMIT record: ``{name: [size, digest or None]}`` for both
 (digests only for objects under :data:`DIGEST_BELOW`, see :mod:`.remote`). The sizes of streamed objects come from
@@ -16,7 +16,7 @@ from typing import Any, Optional
 import xxhash
 
 from lightning_fsdp.checkpoint.io.remote_clean import token_of_staging
-from lightning_fsdp.checkpoint.io.sink import UploadSink, open_upload
+from lightning_fsdp.checkpoint.io.sink import ShardUpload
 from lightning_fsdp.checkpoint.io.urls import join
 
 __all__ = ["upload", "DIGEST_BELOW", "open_streamed", "note_streamed", "forget_streamed", "streamed"]
@@ -29,10 +29,11 @@ _STREAMED: dict[str, dict[str, list]] = {}
 _LOCK = threading.Lock()  # an async save streams in DCP's thread while the next save may begin in another
 
 
-def open_streamed(fs: Any, staged: Path, target: str, name: str, size_hint: Optional[int] = None) -> UploadSink:
-    """The object ``name`` of the save staged at ``staged`` (its token) under ``target``, written from memory."""
-    token = token_of_staging(Path(staged).parent)
-    return open_upload(fs, join(target, "." + token, name), size_hint=size_hint)
+def open_streamed(fs: Any, staged: Path, target: str, name: str, size_hint: Optional[int] = None) -> ShardUpload:
+    """The object ``name`` of the save staged at ``staged`` (its token) under ``target``, written from memory; a
+    sharded writer may go on into further objects of the same prefix (``next_object``: :class:`.sink.ShardUpload`)."""
+    prefix = join(target, "." + token_of_staging(Path(staged).parent))
+    return ShardUpload(fs, lambda object_name: join(prefix, object_name), name, size_hint=size_hint)
 
 
 def note_streamed(staged: Path, name: str, size: int, digest: Optional[int]) -> None:

@@ -162,6 +162,11 @@ class S3Upload:
             await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key,
                                    UploadId=self.upload_id)
 
+    async def delete(self) -> None:
+        """Remove the object this upload made (a shard of several objects whose later one failed: best effort, once;
+        what is left under the save's token is swept like any uncommitted object)."""
+        await self.fs._call_s3("delete_object", Bucket=self.bucket, Key=self.key)
+
 
 class PartBody:
     """A part's bytes as the request body, read in views of the caller's buffer, never copied whole.
