@@ -265,8 +265,8 @@ class Side:
                                  f" setting; logs in {self.dir}")
         phases = {}
         if "marks" in restart:  # seconds from the process's start to each mark, and between them
-            points = [("process start", started), *restart["marks"].items(), ("first commit", restart["first_commit"])]
-            phases = {f"{a} -> {b}": round(tb - ta, 3) for (a, ta), (b, tb) in zip(points, points[1:])}
+            points = [("start", started), *restart["marks"].items(), ("first_commit", restart["first_commit"])]
+            phases = {f"{a}_to_{b}": round(tb - ta, 3) for (a, ta), (b, tb) in zip(points, points[1:])}
         return {"step_s": statistics.mean(statistics.median(p["step_s"]) for p in pair), "restart_phases_s": phases,
                 "phases_ms": [round(statistics.mean(p["phases_s"][k] for p in pair) * 1e3, 1) for k in range(3)],
                 "restart_s": restart["first_commit"] - started, "restart": restart, "bytes_sent_by_group0": sent,
@@ -287,6 +287,14 @@ def lighthouse_settings(args: argparse.Namespace) -> dict:
 
 def _median_phases(rounds: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]} if rounds else {}
+
+
+def _median_ms(results: list[dict], what: str) -> dict:
+    """Medians over the rounds of a side's step time and of each of its phases, in ms, each addressable by name
+    (``detail.median_ms_ft.backward``) for the docs' record markers."""
+    phases = {name: round(statistics.median(r["phases_ms"][k] for r in results), 1)
+              for k, name in enumerate(("forward", "backward", "optimizer"))}
+    return {f"median_ms_{what}": {"step": round(statistics.median(r["step_s"] for r in results) * 1e3, 1), **phases}}
 
 
 def main() -> None:
@@ -351,13 +359,15 @@ def main() -> None:
                        "phases": "median ms of forward (with the quorum's wait), backward (with the cross-group"
                                  " average), optimizer step (with the vote), per round",
                        "phases_ms_ft": [r["phases_ms"] for r in ft],
-                       "phases_ms_plain": [r["phases_ms"] for r in plain]}),
+                       "phases_ms_plain": [r["phases_ms"] for r in plain],
+                       **_median_ms(ft, "ft"), **_median_ms(plain, "plain")}),
         figure("step time with fault tolerance vs the same 2 processes as one replicated world (NO_SHARD)",
                ratios([r["step_s"] for r in ft], [r["step_s"] for r in replicated]),
                baseline="one world of 2 ranks all-reducing its gradients (the same communication, no torchft)",
                detail={"setting": setting, "model": model, "params": params,
                        "step_ms_replicated": [round(r["step_s"] * 1e3, 1) for r in replicated],
-                       "phases_ms_replicated": [r["phases_ms"] for r in replicated]}),
+                       "phases_ms_replicated": [r["phases_ms"] for r in replicated],
+                       **_median_ms(ft, "ft"), **_median_ms(replicated, "replicated")}),
         figure("fault tolerance: restart to first committed step vs a cold start to first step",
                ratios([r["restart_s"] for r in ft], [r["restart_s"] for r in plain]),
                baseline="the same group's cold start without fault tolerance to its first step",
@@ -367,7 +377,9 @@ def main() -> None:
                        "restart_s_ft": [round(r["restart_s"], 2) for r in ft],
                        "cold_start_s_plain": [round(r["restart_s"], 2) for r in plain],
                        "phases_s_ft": _median_phases([r["restart_phases_s"] for r in ft]),
-                       "phases_s_plain": _median_phases([r["restart_phases_s"] for r in plain])}),
+                       "phases_s_plain": _median_phases([r["restart_phases_s"] for r in plain]),
+                       "median_restart_s_ft": round(statistics.median(r["restart_s"] for r in ft), 2),
+                       "median_cold_start_s_plain": round(statistics.median(r["restart_s"] for r in plain), 2)}),
         figure("fault tolerance: bytes moved to heal vs the group's state",
                [r["restart"]["bytes_received"] / r["restart"]["state_bytes"] for r in ft],
                baseline="tensor bytes of the healed state (parameter shards, AdamW state, random generators)",
