@@ -7,6 +7,7 @@ step count; a loader no cursor can position is refused. The real fault run is te
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -36,9 +37,15 @@ def _loader() -> DataLoader:
 def _trainer(callbacks=()):
     from lightning.pytorch import Trainer
 
+    # A validation every window, so one is due where a heal lands (the sender ran it; the healed group must not).
     return Trainer(accelerator="cpu", devices=1, max_steps=MAX_STEPS, accumulate_grad_batches=ACCUMULATE,
                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=list(callbacks))
+                   callbacks=list(callbacks), val_check_interval=ACCUMULATE, limit_val_batches=1,
+                   num_sanity_val_steps=0)
+
+
+def _fit(trainer, module, loader) -> None:
+    trainer.fit(module, loader, DataLoader(list(range(2)), batch_size=2))
 
 
 def _module():
@@ -49,10 +56,16 @@ def _module():
             super().__init__()
             self.layer = torch.nn.Linear(1, 1)
             self.seen: list[tuple] = []
+            self.validated: list[tuple] = []
 
         def training_step(self, batch, batch_idx):
             self.seen.append((self.current_epoch, batch_idx, batch.tolist(), self.trainer.global_step))
             return self.layer(batch.float()[:, None]).sum()
+
+        def validation_step(self, batch, batch_idx):
+            loop = self.trainer.fit_loop.epoch_loop
+            self.validated.append((self.current_epoch, loop.batch_progress.current.completed, self.trainer.global_step,
+                                   loop._batches_that_stepped))
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -67,7 +80,7 @@ def _counters(trainer) -> dict:
             "batches_that_stepped": loop.epoch_loop._batches_that_stepped}
 
 
-def _live_run() -> tuple[dict, list, dict]:
+def _live_run() -> tuple[dict, Any, dict]:
     """A run that never stops, sending (as a live group would) the loop state at each window's first batch."""
     from lightning.pytorch import Callback
 
@@ -82,22 +95,24 @@ def _live_run() -> tuple[dict, list, dict]:
     trainer = _trainer([Sender()])
     position = LoopPosition(trainer)
     module = _module()
-    trainer.fit(module, _loader())
-    return sent, module.seen, _counters(trainer)
+    _fit(trainer, module, _loader())
+    return sent, module, _counters(trainer)
 
 
 @pytest.mark.parametrize("window", [(1, 2), (1, 0)], ids=["mid-epoch", "epoch-start"])
 def test_a_healed_loop_resumes_at_the_senders_batch_with_its_counters_and_samples(window):
-    sent, seen, final = _live_run()
+    sent, live, final = _live_run()
     trainer = _trainer()
     healed = LoopPosition(trainer)
     healed.load(sent[window])  # before the fit loop runs, as at the first window's quorum
     loader = healed.wrap_training_loader(_loader())  # what `FSDPStrategy.process_dataloader` does
     module = _module()
-    trainer.fit(module, loader)
-    start = next(i for i, (epoch, batch_idx, *_) in enumerate(seen) if (epoch, batch_idx) == window)
-    assert module.seen == seen[start:], (module.seen[:3], seen[start:start + 3])
-    assert _counters(trainer) == final
+    _fit(trainer, module, loader)
+    start = next(i for i, (epoch, batch_idx, *_) in enumerate(live.seen) if (epoch, batch_idx) == window)
+    assert module.seen == live.seen[start:], (module.seen[:3], live.seen[start:start + 3])
+    # The validations after the heal's first batch, with their counters; not the one due before it, which ran there.
+    assert module.validated == [v for v in live.validated if v[:2] > window], (module.validated, live.validated)
+    assert module.validated and _counters(trainer) == final
     assert healed.healed
 
 

@@ -19,9 +19,12 @@ the average of the others at its vote, as on Fabric.
 **What is sent: the loop state at the window's start.** A live group takes ``fit_loop.state_dict()`` on its main thread
 at each batch's ``on_train_batch_start``, before the window's quorum starts (torchft's thread reads it while the main
 thread waits for the quorum in the root's first forward, so the counters never change under it). At that point
-Lightning has counted batch ``k`` as fetched but not started; the snapshot is rewritten to the batch boundary before
-it (``k`` batches of epoch ``e`` done, ``ready == started == processed == completed``), a state Lightning resumes
-from at batch ``k`` without counting anything twice (its ``RESTARTED_ON_LAST`` stage in both Lightning 2.5 and 2.6).
+Lightning has counted batch ``k`` as fetched but not started; the snapshot is rewritten to the state Lightning itself
+saves at batch ``k - 1``'s ``on_train_batch_end`` (a mid-epoch ``ModelCheckpoint``), from which its restart
+(``RESTARTED_ON_TRAIN_BATCH_END``, the same in Lightning 2.5 and 2.6) resumes at batch ``k`` without counting anything
+twice and without running again a validation that was due after batch ``k - 1`` (the sender ran it). The other
+resume stage that would fit, ``RESTARTED_ON_LAST``, skips the next validation and counts ``_batches_that_stepped``
+once more when a validation was due: it was tried, and differs from the live groups there.
 A stateful loader's own state (``combined_loader``) is not sent; the data position below is the one that moves.
 
 **The data.** Lightning cannot resume a plain map-style loader mid-epoch: it starts the epoch's iterator from the
@@ -82,11 +85,8 @@ class LoopPosition:
         own = state.get("state_dict")
         if isinstance(own, dict):
             own.pop("combined_loader", None)
-        if at_batch_start:  # batch k was counted as fetched: rewrite to "k batches done"
-            batches = state[_BATCHES]
-            for part in ("total", "current"):
-                batches[part]["ready"] -= 1
-            batches["is_last_batch"] = False
+        if at_batch_start:
+            _as_saved_at_the_previous_batch_end(state, self.trainer.accumulate_grad_batches)
         self._snapshot = state
 
     def produce(self) -> Any:
@@ -217,6 +217,22 @@ def _finished(fit_loop: Any) -> bool:
     if steps is not None and steps != -1 and fit_loop.epoch_loop.global_step >= steps:
         return True
     return epochs is not None and epochs != -1 and fit_loop.epoch_progress.current.processed >= epochs
+
+
+def _as_saved_at_the_previous_batch_end(state: dict, accumulate: int) -> None:
+    """Rewrite the loop state taken at batch ``k``'s ``on_train_batch_start`` to the state Lightning saves at batch
+    ``k - 1``'s ``on_train_batch_end`` (a ``ModelCheckpoint(every_n_train_steps=...)`` checkpoint), from which its
+    restart (``RESTARTED_ON_TRAIN_BATCH_END``) resumes at batch ``k``, counts batch ``k - 1`` completed, and takes a
+    validation due after it as run (the sender ran it before the snapshot). Batch ``k`` was counted as fetched, batch
+    ``k - 1`` completed and, as it ended a window, as stepped for the loggers (``_batches_that_stepped``): the restart
+    counts those two again itself."""
+    batches = state[_BATCHES]
+    for part in ("total", "current"):
+        batches[part]["ready"] -= 1
+        batches[part]["completed"] -= 1
+    batches["is_last_batch"] = False
+    if batches["current"]["ready"] % accumulate == 0:  # Lightning's own test, at its restart, for a window's end
+        state["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
 
 
 def _position(state: Any) -> tuple[int, int]:
