@@ -116,6 +116,22 @@ def test_a_healed_loop_resumes_at_the_senders_batch_with_its_counters_and_sample
     assert healed.healed
 
 
+def test_a_loop_restored_from_a_mid_epoch_checkpoint_reads_on_from_its_batch():
+    # What `_FitLoop.run`'s wrapper does for a group that did not heal but resumes from `ckpt_path`: Lightning loaded
+    # the loops (a mid-epoch ModelCheckpoint's state is the form a heal sends); without the cursor it would read the
+    # epoch from its first batch again.
+    sent, live, final = _live_run()
+    trainer = _trainer()
+    trainer.fit_loop.load_state_dict(sent[1, 4])
+    position = LoopPosition(trainer)
+    position.align_cursor_with_loop()
+    module = _module()
+    _fit(trainer, module, position.wrap_training_loader(_loader()))
+    start = next(i for i, (epoch, batch_idx, *_) in enumerate(live.seen) if (epoch, batch_idx) == (1, 4))
+    assert module.seen == live.seen[start:] and _counters(trainer) == final
+    assert not position.healed
+
+
 def test_a_group_healed_inside_a_window_counts_the_senders_steps():
     sent, _, _ = _live_run()
     trainer = _trainer()

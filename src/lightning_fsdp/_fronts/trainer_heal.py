@@ -105,13 +105,22 @@ class LoopPosition:
 
     def _restore(self, tree: dict) -> None:
         self.trainer.fit_loop.load_state_dict(tree)  # as Lightning restores a checkpoint's loops: restarting
-        epoch, batches = tree[_EPOCHS]["current"]["processed"], tree[_BATCHES]["current"]["ready"]
-        self.cursor.jump(epoch, 0)
-        self._pending_batches = batches
-        if self.sampler is not None:  # the loader was wrapped before (a second fit)
-            self._seek()
+        self.align_cursor_with_loop()
         self.healed = True
         warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+
+    def align_cursor_with_loop(self) -> None:
+        """Put the data cursor where the fit loop will resume: its epoch, and batch ``k`` when the loop holds the
+        state of a ``k - 1``'th batch's end (a heal's, or a mid-epoch ``ModelCheckpoint``'s); otherwise the epoch's
+        start, as Lightning itself resumes a loader that is not stateful. Called before the fit loop builds its
+        iterator, which reads the cursor at once (one batch is prefetched)."""
+        loop = self.trainer.fit_loop
+        current = loop.epoch_loop.batch_progress.current
+        batch_end = current.ready == current.started == current.processed == current.completed + 1
+        self.cursor.jump(loop.epoch_progress.current.processed, 0)
+        self._pending_batches = current.ready if batch_end else 0
+        if self.sampler is not None:  # the loader was wrapped before (a second fit)
+            self._seek()
 
     def _align(self, tree: dict) -> None:
         here, there = _position(self._snapshot), _position(tree)
@@ -201,7 +210,8 @@ def _first_window_before_the_loop(original: Callable[..., None]) -> Callable[...
             position.snapshot(at_batch_start=False)  # what a peer healing in this window receives
             group.begin_window()
             group.participating_rank()  # waits for the quorum, and for a heal transfer to this group
-            apply_heal_now(group)
+            if not apply_heal_now(group) and self.restarting:  # restored from `ckpt_path`: the data follows
+                position.align_cursor_with_loop()
         position._running = True
         try:
             return original(self)
