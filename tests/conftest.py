@@ -46,11 +46,14 @@ def pytest_collection_modifyitems(session, config, items):
        so that they run beside the pools, which fill the other core;
     2. the other tests of the files that have no pooled script: most start launches of several processes, one
        after another, and leave a core idle part of the time (start-up, rendezvous, saving), which the pools fill;
-    3. the tests marked ``fills_both_cores`` (several processes at once, busy throughout), which need no pool
-       beside them: by then the pools are done, or nearly;
-    4. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results, the
+    3. the files with a pooled script (``case_tests`` or ``launch.pooled``): their tests read a pool's results, the
        files of the first pool to end first (``launch.last_pool_of``), so that they run while the later pools do. A
-       marked test that reads a pool's results stays here.
+       marked test that reads a pool's results stays here. Many of them check on one core (the planner's accuracy
+       tests plan in this process), and the pools still running fill the other;
+    4. the tests marked ``fills_both_cores`` (several processes at once, busy throughout), last: they need no pool
+       beside them, and leave no core idle once the pools are done. Before the pool readers (until 2026-11-29) they
+       ran while the last pool did, starving it, and the readers' one-core checks then ran with the other core idle:
+       about 40 s at 50 to 60 % of the machine at the end of the suite.
 
     The order within each group stays as collected. A file stays in one piece except for its marked tests: a
     module-scoped fixture shared by tests in two groups would be set up twice, so mark a whole file
@@ -60,8 +63,8 @@ def pytest_collection_modifyitems(session, config, items):
         if item.get_closest_marker("single_process") and not launch.reads_a_pool(item):
             return 0, 0
         if module in launch.POOL_FIXTURES:
-            return 3, launch.last_pool_of(module)
-        return (2 if item.get_closest_marker("fills_both_cores") else 1), 0
+            return 2, launch.last_pool_of(module)
+        return (3 if item.get_closest_marker("fills_both_cores") else 1), 0
 
     items.sort(key=group)
     global _SUITE_IDS

@@ -25,7 +25,7 @@ def _reads_pools(item) -> bool:
     return _module(item) in launch.POOL_FIXTURES and not _runs_first(item)
 
 
-def test_single_process_first_then_the_rest_then_both_cores_then_pool_readers(request):
+def test_single_process_first_then_the_rest_then_pool_readers_then_both_cores(request):
     items = request.session.items
     first = [i for i, item in enumerate(items) if _runs_first(item)]
     pooled_files = [i for i, item in enumerate(items) if _reads_pools(item)]
@@ -34,8 +34,8 @@ def test_single_process_first_then_the_rest_then_both_cores_then_pool_readers(re
     plain = [i for i in others if i not in set(both)]
     assert request.node in [items[i] for i in first], "this test is not in the first group"
     for earlier, later, what in ((first, others + pooled_files, "single_process tests"),
-                                 (plain, both, "tests that leave a core idle"),
-                                 (others, pooled_files, "tests that need no pool")):
+                                 (plain, both + pooled_files, "tests that leave a core idle"),
+                                 (pooled_files, both, "the pool readers")):
         if earlier and later:
             assert max(earlier) < min(later), (
                 f"{what} should all run before {items[min(later)].nodeid}, but {items[max(earlier)].nodeid} runs after")
