@@ -227,17 +227,19 @@ QUORUM_TIMEOUT = 4.0
 
 def test_a_whole_job_restart_resumes_at_the_saved_step_exactly_and_a_dead_lighthouse_ends_every_group(env, tmp_path):
     """Both groups train 3 steps and save (one writes), and stop. Both restart from that checkpoint: torchft's step
-    is 3 again, no group heals, and after 7 steps both hold the weights of a run never stopped. Both save at 7; then
-    the lighthouse dies: each group's next step raises FaultToleranceError naming the lighthouse, within the quorum
-    timeout, and the checkpoint at 7 is intact."""
+    is 3 again, no group heals (init_sync is on, which copies state only at step 0), and after 7 steps both hold the
+    weights of a run never stopped. Both save at 7; then the lighthouse dies: each group's next step raises
+    FaultToleranceError naming the lighthouse, within the quorum timeout, and the checkpoint at 7 is intact."""
     run = _Run(env, tmp_path, min_replicas=2)  # a step needs both groups: none runs ahead while the other starts
     want = _reference(7)
     try:
         first = {"steps": 3, "min_replicas": 2, "save_at": [3]}
         procs = [run.start(g, first) for g in (0, 1)]
         assert [p.wait(timeout=120) for p in procs] == [0, 0], run.output()
+        # init_sync on: torchft copies one group's state to the others when they meet at step 0; at a checkpoint's
+        # step it must not (every group holds that step's state already).
         second = {"steps": 8, "min_replicas": 2, "quorum_timeout": QUORUM_TIMEOUT, "load": "ckpt/step-00000003",
-                  "save_at": [7], "gates": {"3": "start", "7": "lighthouse-dead"}}
+                  "save_at": [7], "gates": {"3": "start", "7": "lighthouse-dead"}, "init_sync": True}
         procs = [run.start(g, second) for g in (0, 1)]
         run.release("start", *procs)
         for g in (0, 1):
@@ -250,6 +252,7 @@ def test_a_whole_job_restart_resumes_at_the_saved_step_exactly_and_a_dead_lighth
     assert codes == [0, 0], run.output()
     saved = [run.result(g, 1)["saved"] for g in (0, 1)]
     assert saved == [[["step-00000003", True]], [["step-00000003", False]]], saved  # group 0 wrote, once
+    assert [run.result(g, 1)["healed"] for g in (0, 1)] == [[], []]  # the same seed, init_sync off: no copy
     for g in (0, 1):
         result = run.result(g, 2)
         assert result["start_step"] == 3 and result["healed"] == [], result  # resumed at 3; nobody healed

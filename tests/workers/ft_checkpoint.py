@@ -7,7 +7,8 @@ The lighthouse's address is read from ``OUT_DIR/lighthouse``. Every group trains
 by the committed step alone), so the weights after ``s`` committed steps are those of a run without fault tolerance,
 bit for bit, whichever groups took part. ``PLAN_JSON`` says what this process does:
 
-- ``steps``: train until torchft has committed this many steps; ``min_replicas``, ``quorum_timeout``: the argument's;
+- ``steps``: train until torchft has committed this many steps; ``min_replicas``, ``quorum_timeout``, ``init_sync``:
+  the argument's;
 - ``load``: a checkpoint (relative to ``OUT_DIR``) to resume from with ``fabric.load`` before the first step;
 - ``save_at``: committed steps after which this group asks to save ``OUT_DIR/ckpt/step-<8 digits>`` (only the group
   ranked 0 in the last quorum writes); ``{"model", "optimizer"}``, momentum included;
@@ -95,7 +96,8 @@ def main(replica_id: int, out: Path, plan: dict) -> None:
     attempt = len((out / f"pids{replica_id}").read_text().split())
     fault_tolerance = {"replica_id": replica_id, "num_replica_groups": 2,
                        "lighthouse": (out / "lighthouse").read_text(), "min_replicas": plan["min_replicas"],
-                       "timeout": 10.0, "quorum_timeout": plan.get("quorum_timeout", 30.0), "connect_timeout": 10.0}
+                       "timeout": 10.0, "quorum_timeout": plan.get("quorum_timeout", 30.0), "connect_timeout": 10.0,
+                       "init_sync": plan.get("init_sync", False)}
     strategy = FSDPStrategy(fault_tolerance=fault_tolerance, auto_wrap_policy={nn.Linear})
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
     fabric.launch()
@@ -135,7 +137,8 @@ def main(replica_id: int, out: Path, plan: dict) -> None:
         started = time.monotonic()
         try:
             loss = model(batch(step)).square().mean()  # the window opens here, and a healing group heals
-            if group.current_step != step:
+            # A heal moves the step, or, at the same step (init_sync at step 0), keeps the group out of the vote.
+            if group.current_step != step or not group.manager.is_participating():
                 result["healed"].append(step)
             fabric.backward(loss)
             committed = optimizer.step()
