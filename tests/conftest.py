@@ -37,6 +37,16 @@ def suite_ids() -> list[str] | None:
     return _SUITE_IDS
 
 
+def _group(item) -> tuple[int, int]:
+    """Where ``pytest_collection_modifyitems`` puts the test: its group, then its pool's place for the pool readers."""
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    if item.get_closest_marker("single_process") and not launch.reads_a_pool(item):
+        return 0, 0
+    if module in launch.POOL_FIXTURES:
+        return 2, launch.last_pool_of(module)
+    return (3 if item.get_closest_marker("fills_both_cores") else 1), 0
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Order the tests so that both cores stay busy while the pools run in the background (``launch.start_pools``,
@@ -58,15 +68,7 @@ def pytest_collection_modifyitems(session, config, items):
     The order within each group stays as collected. A file stays in one piece except for its marked tests: a
     module-scoped fixture shared by tests in two groups would be set up twice, so mark a whole file
     (``pytestmark``) where its tests share one."""
-    def group(item) -> tuple[int, int]:
-        module = getattr(getattr(item, "module", None), "__name__", "")
-        if item.get_closest_marker("single_process") and not launch.reads_a_pool(item):
-            return 0, 0
-        if module in launch.POOL_FIXTURES:
-            return 2, launch.last_pool_of(module)
-        return (3 if item.get_closest_marker("fills_both_cores") else 1), 0
-
-    items.sort(key=group)
+    items.sort(key=_group)
     global _SUITE_IDS
     if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
         _SUITE_IDS = [item.nodeid for item in items] + _DESELECTED
@@ -74,11 +76,25 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collection_finish(session):
     """Tell the launch pools which test modules have selected tests, and start the pools (see
-    ``launch.start_pools``) and the selected modules' early runs (``launch.start_early``)."""
+    ``launch.start_pools``)."""
     launch.SELECTED = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
     if session.items and not session.config.option.collectonly:
         launch.start_pools(session.config._tmp_path_factory.mktemp("pools"))
-        launch.start_early_runs(session.config._tmp_path_factory.mktemp("early"))
+
+
+_EARLY_RUNS_STARTED = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Start the selected modules' early runs (``launch.start_early``) with the first test after the single_process
+    group: beside that group's tests they would compete with those that bound a wait by a short timeout (torchft's
+    quorum timeout of a few seconds, in the fault-tolerance tests), which only the pools, at a lower priority, run
+    beside. The later groups start launches of their own at normal priority anyway."""
+    global _EARLY_RUNS_STARTED
+    if not _EARLY_RUNS_STARTED and _group(item)[0] != 0:
+        _EARLY_RUNS_STARTED = True
+        launch.start_early_runs(item.session.config._tmp_path_factory.mktemp("early"))
 
 
 def pytest_sessionfinish(session):

@@ -238,8 +238,8 @@ POOL_NICE = 10
 POOL_RESTARTS = 4
 
 
-# Runs that a test module starts as soon as collection ends, in the background, instead of when its first test needs
-# them: for runs that wait more than they compute (the README's command: real processes starting, then 2 ranks
+# Runs that a test module starts in the background ahead of its tests, with the first test after the single_process
+# group (conftest.py), instead of when its first test needs them: for runs that wait more than they compute (the README's command: real processes starting, then 2 ranks
 # waiting on each other's collectives, 31 s of wall time for 23 s of CPU on the 2-core reference machine), whose wall
 # time in the foreground would leave a core idle. Keyed by test module; each value is what the module's start function
 # returned, taken by its fixture (:func:`early`).
@@ -250,7 +250,7 @@ _BACKGROUND_PROCS: list[subprocess.Popen] = []
 
 
 def start_early(start: Callable[[Path], Any]) -> Callable[[Path], Any]:
-    """Decorator, at a test module's top level: ``start(folder)`` starts the module's runs when collection ends, if a
+    """Decorator, at a test module's top level: ``start(folder)`` starts the module's runs ahead of its tests, if a
     test of the module is selected (:func:`start_early_runs`); the module's fixture takes what it returned with
     ``early(__name__)``, or calls ``start`` itself where nothing was started (a run that did not start the pools)."""
     _EARLY[sys._getframe(1).f_globals.get("__name__", "")] = start
@@ -258,8 +258,8 @@ def start_early(start: Callable[[Path], Any]) -> Callable[[Path], Any]:
 
 
 def start_early_runs(root: Path) -> None:
-    """Call the start function of every selected module that registered one (conftest.py, when collection ends), in a
-    background thread, once a warm server serves the scripts' environment (:func:`script_env`), so that the processes
+    """Call the start function of every selected module that registered one (conftest.py, with the first test after the
+    single_process group), in a background thread, once a warm server serves the scripts' environment (:func:`script_env`), so that the processes
     they start with ``forkserver.python()`` are forked rather than real."""
     selected = {module: start for module, start in _EARLY.items() if SELECTED is None or module in SELECTED}
     if not selected:

@@ -20,8 +20,8 @@ FULL_VARIANT = ["--steps", "20", "--resume-steps", "10", "--log-every", "10", "-
 
 @launch.start_early
 def _start(root: Path) -> dict:
-    """The README command, its `--help` and the full-checkpoint variant, started side by side in the background when
-    collection ends (``launch.start_early``), each in a folder of its own, where the default relative ``--out`` lands,
+    """The README command, its `--help` and the full-checkpoint variant, started side by side in the background ahead of
+    the tests (``launch.start_early``: with the first test after the single_process group), each in a folder of its own, where the default relative ``--out`` lands,
     its output in ``output.txt`` there. They wait more than they compute: on the 2-core reference machine
     (2026-11-29) the README command alone took 31 s of wall time for 23 s of CPU (two real processes starting, then
     waiting on each other's collectives), and the three side by side in the foreground cost the suite 39 s with a core
@@ -53,7 +53,7 @@ def _start(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The runs started when collection ended, or now where nothing started them."""
+    """The runs started ahead of the tests, or now where nothing started them."""
     started = launch.early(__name__) or _start(tmp_path_factory.mktemp("readme"))
     yield started
     launch.stop_background([proc for _, proc in started.values()])
