@@ -1,7 +1,7 @@
 """The ``fault_tolerance`` argument on the Fabric front, in this process: its forms (dataclass, dict, YAML, the
 replica id from the environment) and the setup-time refusals the argument's parse cannot see (NO_SHARD on several
-ranks, tensor parallelism, fp16 loss scaling, a second model, several optimizers). Each refusal fires before any
-sharding or process group, so no world is started."""
+ranks, fp16 loss scaling, a second model, several optimizers; tensor parallelism inside a group is allowed, see
+test_ft_tp.py). Each refusal fires before any sharding or process group, so no world is started."""
 
 from __future__ import annotations
 
@@ -68,13 +68,6 @@ def test_the_yaml_example_builds_its_fault_tolerance(monkeypatch):
 def test_no_shard_on_several_ranks_is_refused_at_setup():
     with pytest.raises(ValueError, match=r"(?s)fault_tolerance.*NO_SHARD.*HINT: Use sharding_strategy='FULL_SHARD'"):
         _setup(FSDPStrategy(sharding_strategy="NO_SHARD", fault_tolerance=FT), world_size=2)
-
-
-@pytest.mark.single_process
-def test_tensor_parallelism_is_refused_at_setup():
-    strategy = FSDPStrategy(tensor_parallel_size=2, tensor_parallel_plan={"*": "colwise"}, fault_tolerance=FT)
-    with pytest.raises(ValueError, match=r"(?s)fault_tolerance.*tensor_parallel_size=2.*HINT: Drop tensor_parallel"):
-        _setup(strategy, world_size=2)
 
 
 @pytest.mark.single_process

@@ -122,8 +122,10 @@ def refuse_unsupported_layout(config: FaultTolerance, sharding_strategy: Any, wo
                               tensor_parallel_size: int = 1) -> None:
     """Each group must shard over a 1-D mesh of its own ranks: the cross-group average hooks FSDP's reduce-scatter
     on that mesh. NO_SHARD on several ranks replicates inside the group instead (a 2-D ``(world, 1)`` mesh, like
-    hybrid sharding, which the argument's parse refuses). Tensor parallelism inside a group is refused too: the heal
-    of TP-sharded parameters and optimizer state and the hook on a ``(shard, tp)`` mesh have not been tested."""
+    hybrid sharding, which the argument's parse refuses). Tensor parallelism inside a group is allowed
+    (``tensor_parallel_size`` is kept for the fronts' calls): with a ``(shard, tp)`` mesh FSDP still reduce-scatters
+    over the 1-D shard axis, so the hook gets each rank's tp-local shard, and rank r of every group holds the same
+    slice (same mesh, same plan), so the average and the heal pair rank r with rank r (tests/test_ft_tp.py)."""
     name = getattr(sharding_strategy, "value", sharding_strategy)
     if name == "NO_SHARD" and world_size > 1:
         raise ValueError(bad_argument(
@@ -132,13 +134,6 @@ def refuse_unsupported_layout(config: FaultTolerance, sharding_strategy: Any, wo
             " between forward and backward), or turn fault_tolerance off.",
             problem=f"sharding_strategy='NO_SHARD' replicates over this group's {world_size} ranks, and the replica"
                     " groups are already the replicate axis",
-        ))
-    if tensor_parallel_size > 1:
-        raise ValueError(bad_argument(
-            "fault_tolerance", config, "tensor_parallel_size=1 (no tensor parallelism) under fault tolerance",
-            "Drop tensor_parallel_size/tensor_parallel_plan, or turn fault_tolerance off.",
-            problem=f"tensor_parallel_size={tensor_parallel_size}: healing TP-sharded state across groups is not"
-                    " supported yet",
         ))
 
 
