@@ -289,11 +289,11 @@ def early(module: str) -> Any:
 
 
 def popen_in_background(command: list[str], **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(command, **kwargs)`` at the pools' priority (:data:`POOL_NICE`), in a session of its own (so
-    that its niceness counts where the kernel groups processes by session, as ``workers/pool.py`` says): it takes the
-    CPU the foreground tests leave idle. :func:`stop_background` kills what is still running at the session's end."""
-    lower = f'echo {POOL_NICE} > /proc/self/autogroup 2>/dev/null; exec nice -n {POOL_NICE} "$@"'
-    proc = subprocess.Popen(["sh", "-c", lower, "sh", *command], start_new_session=True, **kwargs)
+    """``subprocess.Popen(command, **kwargs)`` in a session of its own, so that :func:`stop_background` can kill it
+    with everything it started. At normal priority: started beside the launches of the tests after the single_process
+    group, which keep both cores busy much of the time, a run at the pools' priority got so little CPU that the README
+    command's test still waited 39 s for it (2026-11-29)."""
+    proc = subprocess.Popen(command, start_new_session=True, **kwargs)
     _BACKGROUND_PROCS.append(proc)
     return proc
 

@@ -25,8 +25,8 @@ def _start(root: Path) -> dict:
     its output in ``output.txt`` there. They wait more than they compute: on the 2-core reference machine
     (2026-11-29) the README command alone took 31 s of wall time for 23 s of CPU (two real processes starting, then
     waiting on each other's collectives), and the three side by side in the foreground cost the suite 39 s with a core
-    idle half the time. In the background, at the pools' priority, they take the CPU the other tests leave idle, and
-    the tests here read what they left."""
+    idle half the time. In the background, beside the other tests' launches, their waits overlap those tests' work,
+    and the tests here read what they left."""
     started = {}
 
     def run(name: str, command: list[str], **kwargs) -> None:
@@ -43,8 +43,7 @@ def _start(root: Path) -> dict:
     # --state-dict-type full`): `--help` shows that in one process that stops before any training.
     run("help", ["bash", str(ROOT / "examples" / "train.sh"), "--help"])
     # The variant is about the full checkpoint, not the start-up, which the default run holds already: its processes
-    # are forked from the suite's warm servers (tests/forkserver), which saves each the 4 to 5 s of a real start (the
-    # forked ranks take the server's priority, not the background's).
+    # are forked from the suite's warm servers (tests/forkserver), which saves each the 4 to 5 s of a real start.
     full = root / "full"
     run("full", [forkserver.python(), str(ROOT / "examples" / "train_gpt.py"), *FULL_VARIANT, "--out", str(full / "ck")],
         env=script_env())
