@@ -22,8 +22,8 @@ launch at world 4 with a smaller model counts the bytes per rank of a sharded lo
 What limits it: moto spends Python time per byte (werkzeug, an MD5 per object for the ETag, copies) on the same 2
 cores as the ranks, so every side is bound by the server and the throughput ratios show serial phases and extra
 bytes, not client speed (``benchmarks/profile_s3.py`` measures clients against a fast stub). Two of moto's costs
-are not S3's and fall on one side only: completing a multipart upload copies and hashes the whole object again
-(0.32 s for 86 MiB here; the plain put of a shard under 100 MiB is one PUT), and a ranged GET copies the whole object
+are not S3's: completing a multipart upload copies and hashes the whole object again (0.32 s for 86 MiB here; the
+plain put of a shard under 100 MiB is one PUT, and so is each object of a save's shard of at most 16 parts), and a ranged GET copies the whole object
 (55 ms per range of an 86 MiB object, whatever its length). The second would turn a reader's small ranges into
 seconds, so the counting server answers ranged GETs itself from moto's stored bytes (``--moto-ranges``: not).
 Where a save's or a load's own time goes: ``benchmarks/profile_checkpoint.py`` (py-spy, the collector, the reads).
@@ -409,8 +409,9 @@ def _worker(args: argparse.Namespace) -> None:
     finish_async()
 
     def plain_get_side() -> dict[str, Any]:
-        own = f"{committed()[0]}/__{rank}_0.distcp"  # found before the clock starts
-        return measure(lambda: fs.cat_file(own))
+        # The plain put's object: as many bytes as the rank's shard, in one object (a save may split a shard over
+        # several `__<rank>_<i>.distcp` objects, so no one of those is the shard).
+        return measure(lambda: fs.cat_file(plain_key))
 
     sides: dict[str, Callable[[], dict[str, Any]]] = {
         "save": lambda: measure(lambda: fabric.save(url, state)),
