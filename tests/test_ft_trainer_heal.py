@@ -173,7 +173,9 @@ def test_a_training_loader_no_cursor_can_position_is_refused_with_the_fix():
         def __iter__(self):
             return iter(range(4))
 
-    with pytest.raises(ValueError, match=r"Invalid `fault_tolerance='DataLoader'`.*only a sampler of indices can be"
+    with pytest.raises(ValueError, match=r"Invalid `train_dataloaders='DataLoader\(batch_sampler=BatchSampler,"
+                                         r" sampler=_InfiniteConstantSampler\)'`"
+                                         r".*only a sampler of indices can be"
                                          r" positioned.*HINT: Train from a map-style Dataset"):
         LoopPosition(None).wrap_training_loader(DataLoader(Stream(), batch_size=2))
 
@@ -185,3 +187,75 @@ def test_a_second_fit_wraps_the_loaders_own_sampler_again_not_the_cursor():
     position.wrap_training_loader(loader)
     position.wrap_training_loader(loader)
     assert loader.batch_sampler.sampler is position.sampler and position.sampler.sampler is inner
+
+
+# Review of this session's diff (2026-11-29): the fixes below each failed on the code before them.
+
+class _Group:
+    """A replica group's window, with no torchft: what the strategy's batch hook and the fit loop's wrapper use."""
+
+    def __init__(self) -> None:
+        self.window_open, self.windows, self.manager = False, 0, None
+
+    def begin_window(self) -> None:
+        if not self.window_open:
+            self.window_open, self.windows = True, self.windows + 1
+
+    def commit(self) -> bool:
+        self.window_open = False
+        return True
+
+
+def test_the_strategy_snapshots_the_loop_only_when_a_window_opens():
+    """With gradient accumulation, a live group heals at its window's vote (the window's last batch) and compares its
+    own snapshot with the sender's, taken at the window's first batch: a snapshot at every batch made the two differ
+    and the heal was refused."""
+    from types import SimpleNamespace
+
+    from lightning_fsdp.trainer import FSDPStrategy
+
+    taken = []
+    position = SimpleNamespace(snapshot=lambda at_batch_start: taken.append(group.windows))
+    group = _Group()
+    strategy = SimpleNamespace(replica_group=group, _loop_position=position)
+    for batch_idx in range(4):  # two windows of two batches, each ended by its vote
+        FSDPStrategy.on_train_batch_start(strategy, None, batch_idx)
+        if batch_idx % 2 == 1:
+            group.commit()
+    assert taken == [0, 1], taken  # once before each window's quorum, not at its second batch
+
+
+def test_a_peers_loop_counter_out_of_range_is_refused_before_anything_is_loaded():
+    sent, _, _ = _live_run()
+    trainer = _trainer()
+    position = LoopPosition(trainer)
+    for value in (-2, 10**30):
+        broken = copy.deepcopy(sent[1, 2])
+        broken["epoch_progress"]["current"]["processed"] = value
+        with pytest.raises(FaultToleranceError, match=r"epoch_progress\.current\.processed is -?\d+; a loop counter is"
+                                                      r" an int in \[-1, "):
+            position.load(broken)
+    assert trainer.global_step == 0 and not trainer.fit_loop.restarting and not position.healed
+
+
+def test_the_users_loader_gets_its_own_sampler_back_after_the_fit():
+    from types import SimpleNamespace
+
+    from lightning_fsdp._fronts.trainer_heal import _first_window_before_the_loop
+
+    position = LoopPosition(None)
+    loader = _loader()
+    inner = loader.batch_sampler.sampler
+    seen = []
+
+    def fit_loop_run(self):  # the fit: the strategy wraps the loader, then the loop stops mid-epoch
+        position.wrap_training_loader(loader)
+        position.sampler.seek(0, 4)
+        seen.append(loader.batch_sampler.sampler is position.sampler)
+
+    finished = SimpleNamespace(max_steps=1, max_epochs=-1, epoch_loop=SimpleNamespace(global_step=1))
+    finished.trainer = SimpleNamespace(strategy=SimpleNamespace(_loop_position=position,
+                                                                replica_group=_Group()))
+    _first_window_before_the_loop(fit_loop_run)(finished)
+    assert seen == [True] and loader.batch_sampler.sampler is inner and position.sampler is None
+    assert sum(len(b) for b in loader) == len(inner)  # iterated again, the whole epoch

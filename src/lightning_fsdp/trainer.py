@@ -345,7 +345,10 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
         # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window
         # and a resumed mid-window run included, without repeating Lightning's arithmetic of where windows end.
         if self.replica_group is not None:
-            if self._loop_position is not None:  # what a peer healing in this window receives, if it opens one
+            # What a peer healing in this window receives: the state at the window's first batch, taken only when
+            # a window opens (a live group that heals does so at its window's vote, and compares its own snapshot,
+            # which must then be of that window's start too, with the sender's).
+            if self._loop_position is not None and not self.replica_group.window_open:
                 self._loop_position.snapshot(at_batch_start=True)
             self.replica_group.begin_window()
 

@@ -10,8 +10,9 @@ Fabric front torchft counts from step 0, as a fresh start would; on the Trainer 
 ``global_step``, which the Trainer's loop requires to equal torchft's count (``ReplicaGroup.check_step``). A value
 that is not a pair of ints >= 0 is refused before anything is applied.
 
-The key belongs to the strategy: it is never handed to the caller with the rest of a load, and a user's state may not
-use it while fault tolerance is on.
+The key belongs to the strategy while fault tolerance is on: it is never handed to the caller with the rest of a
+load, and a user's state may not use it. With fault tolerance off, a user's own entry of that name is left alone;
+only a value of exactly the counters' shape (a fault-tolerant run's checkpoint, loaded without it) is taken out.
 """
 
 from __future__ import annotations
@@ -46,9 +47,15 @@ def restore_replica_state(group: Optional[Any], remainder: dict[str, Any], path:
     """Take the torchft counters out of a load's ``remainder`` (what the checkpoint held beyond the requested
     state) and, under fault tolerance, give them to ``group``; ``fallback_step`` is the step of a checkpoint that
     has none (see the module's rule). Raises ``ValueError`` naming ``path`` for a value that is not valid."""
-    saved = remainder.pop(STATE_KEY, None)
     if group is None:
+        # Fault tolerance off: a user's own entry of that name is theirs; only the counters a replica group saved
+        # (a checkpoint of a fault-tolerant run, loaded without it) are taken out.
+        saved = remainder.get(STATE_KEY)
+        if isinstance(saved, dict) and sorted(saved) == sorted(_FIELDS) \
+                and all(type(saved[k]) is int for k in _FIELDS):
+            remainder.pop(STATE_KEY)
         return
+    saved = remainder.pop(STATE_KEY, None)
     if saved is None:
         _check_count(path, "the step to resume at (a checkpoint without torchft's step)", fallback_step)
         state = {"step": int(fallback_step), "batches_committed": 0}

@@ -60,6 +60,7 @@ _BATCHES = "epoch_loop.batch_progress"
 _EPOCHS = "epoch_progress"
 _STEPS = "epoch_loop.automatic_optimization.optim_progress"
 # Lightning warns on a mid-epoch resume of a loader that is not `_Stateful`; after a heal the cursor positions it.
+_MOST_COUNT = 2**53  # above any real count of batches, steps or epochs; a peer's value beyond it is refused
 _NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
@@ -76,6 +77,14 @@ class LoopPosition:
         self._running = False
         self._pending_batches: Optional[int] = None  # the heal's batch index, applied once the loader is wrapped
         self._align_steps: Optional[dict] = None
+        self._wrapped: list[tuple[Any, Any]] = []  # (batch sampler, the user's sampler) to put back after a fit
+
+    def unwrap_training_loaders(self) -> None:
+        """Give the user's loaders their own samplers back (the fit ended): iterated again, they start an epoch."""
+        while self._wrapped:
+            batch_sampler, inner = self._wrapped.pop()
+            batch_sampler.sampler = inner
+        self.sampler = None
 
     # --- the sender ------------------------------------------------------------------------------------------------
 
@@ -106,8 +115,7 @@ class LoopPosition:
     def _restore(self, tree: dict) -> None:
         self.trainer.fit_loop.load_state_dict(tree)  # as Lightning restores a checkpoint's loops: restarting
         self.align_cursor_with_loop()
-        self.healed = True
-        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+        self.healed = True  # the fit loop then runs with Lightning's "not resumable" warning silenced
 
     def align_cursor_with_loop(self) -> None:
         """Put the data cursor where the fit loop will resume: its epoch, and batch ``k`` when the loop holds the
@@ -151,7 +159,9 @@ class LoopPosition:
         inner = getattr(batch_sampler, "sampler", None)
         if type(batch_sampler) is not BatchSampler or not isinstance(inner, Sized):
             raise ValueError(bad_argument(
-                "fault_tolerance", type(dataloader).__name__,
+                "train_dataloaders",
+                f"{type(dataloader).__name__}(batch_sampler={type(batch_sampler).__name__},"
+                f" sampler={type(inner).__name__})",
                 "a training DataLoader over a map-style dataset with a `batch_size` (torch's BatchSampler over a"
                 " sampler with a length)",
                 "Train from a map-style Dataset with `DataLoader(dataset, batch_size=...)` (any sampler with a"
@@ -163,6 +173,7 @@ class LoopPosition:
             inner = inner.sampler
         self.sampler = CursorSampler(inner, self.cursor)
         batch_sampler.sampler = self.sampler
+        self._wrapped.append((batch_sampler, inner))  # put back after the fit: the loader is the user's object
         self.batch_size = batch_sampler.batch_size
         if self._pending_batches is not None:
             self._seek()
@@ -214,9 +225,13 @@ def _first_window_before_the_loop(original: Callable[..., None]) -> Callable[...
                 position.align_cursor_with_loop()
         position._running = True
         try:
-            return original(self)
+            with warnings.catch_warnings():  # scoped to this fit: a later one without a heal warns as usual
+                if position.healed:  # the loop resumes mid-epoch by design, from a state the cursor follows
+                    warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING)
+                return original(self)
         finally:
             position._running = False
+            position.unwrap_training_loaders()
 
     return run
 
@@ -265,3 +280,9 @@ def _check_shape(tree: Any, own: Any, path: str) -> None:
         raise FaultToleranceError(f"The healed loop state's {path} is {tree!r:.80} ({type(tree).__name__}); this"
                                   f" Trainer's loop holds {kind} there. HINT: every group must run the same Lightning"
                                   " version.")
+    elif type(own) is int and not -1 <= tree < _MOST_COUNT:
+        # A count from a peer: negative or absurd values would end or shift the healed group's training silently.
+        # -1: a window's state at an epoch's first batch is the previous batch's end, one batch before 0.
+        raise FaultToleranceError(f"The healed loop state's {path} is {tree!r:.80}; a loop counter is an int in"
+                                  f" [-1, {_MOST_COUNT}). HINT: the sending group's state is damaged; restart this"
+                                  " group to heal from another.")

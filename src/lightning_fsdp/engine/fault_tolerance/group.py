@@ -215,6 +215,11 @@ class ReplicaGroup:
             )
 
     @property
+    def window_open(self) -> bool:
+        """Whether an optimizer step's window is open (its quorum asked, its vote not yet taken)."""
+        return self._window_open
+
+    @property
     def current_step(self) -> int:
         return self.manager.current_step()
 
