@@ -93,6 +93,33 @@ def test_a_users_entry_under_the_strategys_key_is_refused():
         with_replica_state(_Group(), {"model": "m", STATE_KEY: 1})
 
 
+class _Manager:
+    """torchft's Manager as far as the group's counters go."""
+
+    def __init__(self) -> None:
+        self.state = {"step": 4, "batches_committed": 8}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def test_the_group_gives_torchfts_counters_and_refuses_to_set_them_inside_a_window():
+    from lightning_fsdp.engine.fault_tolerance.group import ReplicaGroup
+
+    group = ReplicaGroup.__new__(ReplicaGroup)  # no torchft Manager: only the counters are used here
+    group.manager, group._window_open = _Manager(), True
+    assert group.state_dict() == {"step": 4, "batches_committed": 8}
+    with pytest.raises(RuntimeError, match=r"inside a window\. HINT: load the checkpoint before the step's first"):
+        group.load_state_dict({"step": 1, "batches_committed": 2})  # the quorum in flight was asked with step 4
+    assert group.manager.state == {"step": 4, "batches_committed": 8}
+    group._window_open = False
+    group.load_state_dict({"step": 1, "batches_committed": 2})
+    assert group.manager.state == {"step": 1, "batches_committed": 2}
+
+
 # --- real groups ------------------------------------------------------------------------------------------------
 
 
