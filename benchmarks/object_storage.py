@@ -495,7 +495,7 @@ def _rows(runs: dict[str, list[dict]], shards: list[int], dcp_shard: int, checkp
                target=(">=", 0.9), detail={**common, "seconds": seconds,
                                            "dcp_fsspec": med(per_round("plain put", "dcp save"))}),
         figure("object storage: sharded load throughput vs plain s3fs get", per_round("plain get", "load"),
-               baseline="s3fs cat_file of the rank's own shard object into memory, same server", target=(">=", 0.9),
+               baseline="s3fs cat_file of an object of the rank's shard bytes (the plain put's) into memory, same server", target=(">=", 0.9),
                detail={**common, "seconds": seconds, "dcp_fsspec": med(per_round("plain get", "dcp load"))}),
         figure("object storage: sharded save speed vs DCP over fsspec", per_round("dcp save", "save"),
                baseline="dcp.save with FsspecWriter(sync_files=False), same state, same server (DCP s / ours s)",
