@@ -18,6 +18,16 @@ import skips
 def pytest_configure(config):
     """Every skip listed with its reason, and one not about the installed versions fails the run (tests/skips.py)."""
     config.pluginmanager.register(skips.SkipRule(), "lfsdp-skip-rule")
+    # torch sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time something asks for its cache folder (the
+    # fault-tolerance tests do, in this process). Set before any process starts, the environments this process hands
+    # out stay one: set midway, every later launch's environment differed from the fork servers' already started,
+    # and each needed a server of its own (4-5 s of imports each). The value is torch's own default.
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # a torch without that module: nothing sets the variable midway either
+        pass
+    else:
+        cache_dir()
 
 
 # The ids of the tests this session collected but will not run (`-k`, `--deselect`), and, once collection is done, of

@@ -88,7 +88,7 @@ def wait_until_serving(name: str | None, timeout_s: float = 60.0) -> None:
         return
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if any(os.path.exists(os.path.join(directory(), f"{name}.{end}")) for end in ("sock", "refused")):
+        if any(os.path.exists(os.path.join(directory(), f"{name}.{end}")) for end in ("sock", "alias", "refused")):
             return
         time.sleep(0.2)
 

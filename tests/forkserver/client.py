@@ -25,6 +25,16 @@ FORWARDED = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, sign
 MAX_SERVERS = 32
 MAX_FDS = 250  # what one message can carry (the kernel's SCM_MAX_FD is 253)
 
+# Variables native code may read while modules load, which the recording of Python-level reads cannot see.
+NATIVE_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "OPENMP", "LC_", "LANG", "PYTHON", "CUDA_", "NCCL_",
+                   "TORCH_CPP", "TORCH_SHOW", "LD_", "MALLOC", "GLIBC_")
+# PYTHONPATH is handled by rebuilding sys.path in the child, as a new interpreter builds it.
+NOT_COMPARED = {"PYTHONPATH", "PYTHON_EXEC"}  # PYTHON_EXEC: read by torchrun as it starts ranks
+# Modules that read the whole environment at import, looking for variables of one prefix. Their reads are compared
+# by that prefix; a module not listed here that scans the environment stops the server from serving at all, since
+# then there is no telling which variables a forked process would have read.
+SCANNERS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
+
 
 def main() -> None:
     inherited = _open_fds()  # before this process opens any of its own
@@ -126,17 +136,11 @@ def start_server(where: str, env: dict, at_once: bool = True) -> str | None:
     session (one test's odd variable) costs one real process, not that and a server's imports as well."""
     if len(glob.glob(os.path.join(where, "*.log"))) >= MAX_SERVERS:  # one log per server ever started
         return None
-    keys = set()
-    for path in glob.glob(os.path.join(where, "keys-*.json")):
-        try:
-            with open(path) as f:
-                keys.update(json.load(f))
-        except (OSError, ValueError):
-            pass
-    from_env = {k: env.get(k) for k in sorted(keys)}
-    name = hashlib.sha1(json.dumps(from_env, sort_keys=True).encode()).hexdigest()[:16]
+    name = server_name(where, env)
     if os.path.exists(os.path.join(where, f"{name}.refused")):
         return None
+    if any(os.path.exists(os.path.join(where, f"{name}.{end}")) for end in ("sock", "alias")):
+        return name  # serving already
     if not at_once and _claim(where, f"{name}.asked"):
         return None  # the first request of this environment: a real process, and no server yet
     if not _claim(where, f"{name}.starting"):
@@ -148,6 +152,23 @@ def start_server(where: str, env: dict, at_once: bool = True) -> str | None:
         subprocess.Popen([sys.executable, server, where, name], env=env, stdin=subprocess.DEVNULL, stdout=log,
                          stderr=log, start_new_session=True, close_fds=True)
     return name
+
+
+def server_name(where: str, env: dict) -> str:
+    """The name of the server for ``env``: a hash of the variables a server compares a request by (those the
+    servers' imports read, and those native code or a scanner may read), so that one name is one environment and a
+    name that serves already needs no second server (before, each prewarm of a served environment started another,
+    4-5 s of imports each, and its socket took the first one's place)."""
+    keys = set()
+    for path in glob.glob(os.path.join(where, "keys-*.json")):
+        try:
+            with open(path) as f:
+                keys.update(json.load(f))
+        except (OSError, ValueError):
+            pass
+    keys |= {k for k in env if k.startswith(NATIVE_PREFIXES + tuple(SCANNERS.values()))}
+    from_env = {k: env.get(k) for k in sorted(keys - NOT_COMPARED)}
+    return hashlib.sha1(json.dumps(from_env, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _claim(where: str, file: str) -> bool:

@@ -28,15 +28,11 @@ import sys
 import time
 import types
 
-from client import supported  # this folder is sys.path[0]
+# NATIVE_PREFIXES, NOT_COMPARED, SCANNERS: what a request is compared by; the client names a server by the same.
+from client import NATIVE_PREFIXES, NOT_COMPARED, SCANNERS, server_name, supported  # this folder is sys.path[0]
 
 del sys.modules["client"]  # no module of this folder in a forked process, as in a fresh one
 
-# Variables native code may read while modules load, which the recording of Python-level reads cannot see.
-NATIVE_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "OPENMP", "LC_", "LANG", "PYTHON", "CUDA_", "NCCL_",
-                   "TORCH_CPP", "TORCH_SHOW", "LD_", "MALLOC", "GLIBC_")
-# PYTHONPATH is handled by rebuilding sys.path in the child, as a new interpreter builds it.
-NOT_COMPARED = {"PYTHONPATH", "PYTHON_EXEC"}  # PYTHON_EXEC: read by torchrun as it starts ranks
 # What every worker imports anyway (``lightning_fsdp`` imports all of it), so that a forked process has no module a
 # fresh one would lack. Not ``lightning_fsdp`` itself: it is the code under test, and it reads variables at import.
 # Not ``torch.distributed.run``: ``python -m`` warns when the module it runs is imported already.
@@ -54,12 +50,6 @@ LEAK_CHECKED = ("triton",)
 # like every other variable, and each rank needs a server of its own.
 RANK_VARIABLES = {"RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"}
 RANK_READERS = {"lightning.fabric.utilities.rank_zero", "torchmetrics.utilities.prints"}
-
-
-# Modules that read the whole environment at import, looking for variables of one prefix. Their reads are compared
-# by that prefix; a module not listed here that scans the environment stops the server from serving at all, since
-# then there is no telling which variables a forked process would have read.
-SCANNERS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
 
 
 def preload() -> tuple:
@@ -159,6 +149,11 @@ def serve(where: str, name: str):
     listener.listen(64)
     os.rename(path + ".tmp", path)  # clients see the socket only once it accepts
     os.unlink(os.path.join(where, f"{name}.starting"))
+    # The first server of a session is named before any server's imports have said which variables they read; by
+    # the name its environment has now, it serves already, so that a later prewarm of it starts no second server.
+    alias = server_name(where, startup_env)
+    if alias != name:
+        open(os.path.join(where, f"{alias}.alias"), "w").close()
     print(f"serving {path} after {time.time() - started:.1f} s of imports", flush=True)
 
     wake_r, wake_w = os.pipe()
