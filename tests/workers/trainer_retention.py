@@ -148,8 +148,9 @@ def latest_after_a_rollback_is_the_save_the_run_went_on_from():
             trainer.strategy.barrier()
             return seen
 
-        fit(2)
-        abandoned = fit(4, directory / "step=2.ckpt").end  # steps 3 and 4
+        # One run saves steps 1 to 4 (the commits 1, 2, 3, 4, as a run to step 2 and its resume to step 4 would
+        # make them, one Trainer start cheaper); step 4 is the one the rollback abandons.
+        abandoned = fit(4).end
         rolled_back = fit(3, directory / "step=2.ckpt").end  # the rollback: step 3 again, committed last
         resumed = fit(4, directory / "latest")
         report[kind] = {"loaded": resumed.loaded, "files": sorted(p.name for p in directory.iterdir())}
