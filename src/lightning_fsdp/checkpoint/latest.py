@@ -42,6 +42,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -230,24 +231,29 @@ def newest_good_checkpoint(directory: Union[str, Path], storage_options: Optiona
     retention in ``directory`` is off in this process until a search of it succeeds. Reads each checked checkpoint in
     full (once per process), so call it on one rank and share the answer (:func:`find_newest_on_rank_zero`).
     """
-    key, candidate = _directory_key(directory, storage_options), None
+    with _search(_directory_key(directory, storage_options)) as at:
+        for at.candidate in reversed(step_checkpoints(directory, storage_options)):
+            err = verification_failure(at.candidate, storage_options)
+            if err is None:
+                return at.candidate
+            _warn_skipped(at.candidate, err)
+    return None
+
+
+@contextlib.contextmanager
+def _search(key: str) -> Iterator[Any]:
+    """One search of the directory ``key`` (``at.candidate``: what it reads now), under one bound for every store
+    call: a store that could not be read is raised as such and turns retention there off; damage goes on up."""
+    at = SimpleNamespace(candidate=None)
     try:
-        with one_budget():  # one bound for every store call of the search
-            for candidate in reversed(step_checkpoints(directory, storage_options)):
-                err = verification_failure(candidate, storage_options)
-                if err is not None:
-                    _warn_skipped(candidate, err)
-                    continue
-                break
-            else:
-                candidate = None
+        with one_budget():
+            yield at
     except Exception as err:  # noqa: BLE001 - a failed read of the store is raised as such; damage goes on up
         if not could_not_read(err):
             raise
-        raise _unread(key, candidate, err) from err
+        raise _unread(key, at.candidate, err) from err
     with _KNOWN_LOCK:
         _UNREAD.pop(key, None)
-    return candidate
 
 
 def _warn_skipped(candidate: Target, err: BaseException) -> None:
@@ -385,22 +391,15 @@ def _newest_first(directory: Target, storage_options: Optional[dict]) -> list[st
     """The committed step checkpoints in ``directory``, newest first, skipping (with the warning) those known to be
     damaged until the first one not known so; a store that cannot be read fails as :func:`newest_good_checkpoint`
     does, and turns retention there off."""
-    key, candidate, found = _directory_key(directory, storage_options), None, []
-    try:
-        with one_budget():
-            for candidate in reversed(step_checkpoints(directory, storage_options)):
-                if not found:
-                    failure = _known_failure(candidate, storage_options)
-                    if failure is not _UNKNOWN and failure is not None:
-                        _warn_skipped(candidate, failure)
-                        continue
-                found.append(str(candidate))
-    except Exception as err:  # noqa: BLE001 - a failed read of the store is raised as such; damage goes on up
-        if not could_not_read(err):
-            raise
-        raise _unread(key, candidate, err) from err
-    with _KNOWN_LOCK:
-        _UNREAD.pop(key, None)
+    found: list[str] = []
+    with _search(_directory_key(directory, storage_options)) as at:
+        for at.candidate in reversed(step_checkpoints(directory, storage_options)):
+            if not found:
+                failure = _known_failure(at.candidate, storage_options)
+                if failure is not _UNKNOWN and failure is not None:
+                    _warn_skipped(at.candidate, failure)
+                    continue
+            found.append(str(at.candidate))
     return found
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_fsdp._base.compat import meta_record_offset, open_zipfile_writer
+from lightning_fsdp._base.seekable import SizedReader
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, unreadable
 from lightning_fsdp.checkpoint.integrity.digests import (
     DAMAGED_HINT, ZIP_CHECKSUMS_RECORD, ChecksumError, Crc32, hasher_factory, storage_bytes,
@@ -54,7 +55,7 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, e
 _MERGE_GAP = 4096  # records this close together are fetched in one GET (data descriptors, small skipped records)
 
 
-class _Tail(io.RawIOBase):
+class _Tail(SizedReader):
     """The file as ``zipfile`` sees it while it parses the central directory: seekable, its size COMMIT's, its bytes
     the spans fetched so far; a read outside them fetches what it asks for (the directory of a huge file)."""
 
@@ -65,18 +66,8 @@ class _Tail(io.RawIOBase):
     def add(self, start: int, data: bytes) -> None:
         self._spans.append((start, data))
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self.size + offset
-        return self._pos
+    def _extent(self) -> int:
+        return self.size
 
     def read(self, n: int = -1) -> bytes:
         end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
