@@ -5,7 +5,6 @@ groups end with the weights of a run without faults, bit for bit, computed here.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import forkserver
+from ft_harness import load_module
 from launch import script_env
 from skips import require
 
@@ -25,18 +25,11 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "fault_tolerance"
 STEPS, KILL_AT = 10, 4
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("ft_example_train", EXAMPLE / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _reference(steps: int) -> dict[str, torch.Tensor]:
     """The job without faults or FSDP, in this process. A group's gradient is the mean of its two ranks' (FSDP sums
     their shards and divides by 2; the cross-group average of two equal sums is that sum, exactly); every group has
     the same, so the groups' average changes nothing."""
-    train = _train_module()
+    train = load_module(EXAMPLE / "train.py", "ft_example_train")
     model = train.make_model()
     optimizer = train.make_optimizer(model)
     params = list(model.parameters())
