@@ -28,46 +28,22 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
+from ft_common import (Net, batch, fault_tolerance, full_weights, record_pid, start_from_other_weights, wait_for,
+                       write_record)
 from lightning_fsdp.fabric import FSDPStrategy
-
-WAIT_S = 60.0
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-        self.kill_in = ""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kill_in == "forward":
-            os.kill(os.getpid(), signal.SIGKILL)
-        hidden = self.a(x)
-        if self.kill_in == "backward":  # mid-backward: b's gradients exist, a's and the cross-group average not yet
-            hidden.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
-        return self.b(torch.relu(hidden))
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
 
 
 def main(replica_id: int, out: Path, steps: int, kill: str) -> None:
-    with open(out / f"pids{replica_id}", "a") as f:
-        f.write(f"{os.getpid()}\n")
-    attempt = len((out / f"pids{replica_id}").read_text().split())
+    attempt = record_pid(out, replica_id)
     phase, _, after = kill.partition("@")
-    fault_tolerance = {"replica_id": replica_id, "num_replica_groups": 2, "lighthouse": (out / "lighthouse").read_text(),
-                       "min_replicas": 2, "timeout": 10.0, "quorum_timeout": 30.0, "connect_timeout": 10.0}
-    strategy = FSDPStrategy(fault_tolerance=fault_tolerance, auto_wrap_policy={nn.Linear})  # three units: a, b, root
+    strategy = FSDPStrategy(fault_tolerance=fault_tolerance(out, replica_id),
+                            auto_wrap_policy={nn.Linear})  # three units: a, b, root
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
     model = Net()
-    if replica_id == 1 and attempt > 1:  # a restarted group starts from other weights: only a heal makes them equal
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+    if replica_id == 1 and attempt > 1:
+        start_from_other_weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: optimizer state to heal
     model, optimizer = fabric.setup(model, optimizer)
     group = fabric.strategy.replica_group
@@ -94,19 +70,10 @@ def main(replica_id: int, out: Path, steps: int, kill: str) -> None:
             kill_step = step + int(after) if after else steps + 1
     # Each group asks to save to a path of its own: only the group ranked 0 in the last quorum writes.
     fabric.save(out / f"checkpoint{replica_id}", {"model": model, "optimizer": optimizer, "step": group.current_step})
-    full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-    torch.save({"weights": full, "steps": group.current_step, "uncommitted": uncommitted, "healed": healed,
-                "longest_step_s": longest}, out / f"group{replica_id}.pt")
-    if replica_id == 0:  # stay in the quorum until group 1 has its last step
-        _wait_for(out / "group1.pt")
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} did not appear within {WAIT_S} s")
-        time.sleep(0.01)
+    write_record(out, replica_id, {"weights": full_weights(model.state_dict()), "steps": group.current_step,
+                                   "uncommitted": uncommitted, "healed": healed, "longest_step_s": longest})
+    if replica_id == 0:
+        wait_for(out / "group1.pt")
 
 
 if __name__ == "__main__":

@@ -16,57 +16,32 @@ full weights, the parameters' layout, the counters, the steps it healed at and d
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
-from torch import nn
 
+from ft_common import (Net, batch, fault_tolerance, full_weights, record_pid, start_from_other_weights, wait_for,
+                       write_record)
 from lightning_fsdp.fabric import FSDPStrategy
 
-WAIT_S = 60.0
 # Column-split then row-split: each rank holds half of a's rows and half of b's columns (a DTensor on the 2-D mesh),
 # and b's output is summed over the two tp ranks.
 PLAN = {"a": "colwise", "b": "rowwise"}
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-        self.kill = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.a(x)
-        if self.kill:
-            hidden.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
-        return self.b(torch.relu(hidden))
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-
-
 def main(replica_id: int, out: Path, steps: int, kill_after: int) -> None:
     rank = int(os.environ["RANK"])
-    with open(out / f"pids{replica_id}", "a") as f:
-        f.write(f"{os.getpid()}\n")
-    restarted = len((out / f"pids{replica_id}").read_text().split()) > 2  # the first attempt's two ranks wrote before
-    fault_tolerance = {"replica_id": replica_id, "num_replica_groups": 2,
-                       "lighthouse": (out / "lighthouse").read_text(), "min_replicas": 2, "timeout": 10.0,
-                       "quorum_timeout": 30.0, "connect_timeout": 10.0}
-    strategy = FSDPStrategy(fault_tolerance=fault_tolerance, tensor_parallel_size=2, tensor_parallel_plan=PLAN)
+    restarted = record_pid(out, replica_id) > 2  # the first attempt's two ranks wrote before
+    strategy = FSDPStrategy(fault_tolerance=fault_tolerance(out, replica_id), tensor_parallel_size=2,
+                            tensor_parallel_plan=PLAN)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
     model = Net()
-    if restarted:  # a restarted group starts from other weights: only a heal makes them equal
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+    if restarted:
+        start_from_other_weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: TP-sharded state to heal
     model, optimizer = fabric.setup(model, optimizer)
     group = fabric.strategy.replica_group
@@ -75,7 +50,7 @@ def main(replica_id: int, out: Path, steps: int, kill_after: int) -> None:
     kill_step = -1
     while group.current_step < steps:
         step = group.current_step
-        model.module.kill = rank == 1 and step == kill_step
+        model.module.kill_in = "backward" if rank == 1 and step == kill_step else ""
         loss = model(batch(step)).square().mean()  # the window opens here, and a healing group heals
         if group.current_step != step:
             healed.append(step)
@@ -89,21 +64,12 @@ def main(replica_id: int, out: Path, steps: int, kill_after: int) -> None:
     layout = {k: [list(v.device_mesh.mesh_dim_names), [f"{type(p).__name__}({getattr(p, 'dim', '')})"
                                                         for p in v.placements]]
               for k, v in model.module.named_parameters()}
-    full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # a collective over the group's mesh
+    full = full_weights(model.state_dict())  # on every rank: a collective over the group's mesh
     if rank == 0:
-        torch.save({"weights": full, "layout": layout, "steps": group.current_step, "uncommitted": uncommitted,
-                    "healed": healed}, out / f"group{replica_id}.tmp")
-        os.replace(out / f"group{replica_id}.tmp", out / f"group{replica_id}.pt")
-    if replica_id == 0:  # stay in the quorum until group 1 has its last step
-        _wait_for(out / "group1.pt")
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} did not appear within {WAIT_S} s")
-        time.sleep(0.01)
+        write_record(out, replica_id, {"weights": full, "layout": layout, "steps": group.current_step,
+                                       "uncommitted": uncommitted, "healed": healed})
+    if replica_id == 0:
+        wait_for(out / "group1.pt")
 
 
 if __name__ == "__main__":

@@ -32,23 +32,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ft_common import Net, fault_tolerance, full_weights, record_pid, start_from_other_weights, wait_for, write_record
 from lightning_fsdp.trainer import FSDPStrategy
 
 SAMPLES, BATCH, ACCUMULATE = 16, 2, 2
-WAIT_S = 60.0
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
-        self.kill_in_backward = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.a(x)
-        if self.kill_in_backward:  # mid-backward: b's gradients exist, a's and the cross-group average not yet
-            hidden.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
-        return self.b(torch.relu(hidden))
 
 
 class Indices(Dataset):
@@ -87,7 +74,7 @@ class Lit(LightningModule):
         if self.first_step is None:
             self.first_step = step  # a restarted attempt's first window is its heal
         killing = self.after is not None and step == self.first_step + self.after and batch_idx % ACCUMULATE == 1
-        self.net.kill_in_backward = killing and self.phase == "backward"
+        self.net.kill_in = "backward" if killing and self.phase == "backward" else ""
         if killing and self.phase == "optimizer":
             self.trainer.optimizers[0].register_step_pre_hook(lambda *args: os.kill(os.getpid(), signal.SIGKILL))
         self.batches.append({"epoch": self.current_epoch, "batch_idx": batch_idx, "ids": batch.tolist(),
@@ -121,16 +108,13 @@ class Windows(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         (self.out / f"done{self.replica_id}").write_text("")
         if self.replica_id == 0:  # the group leaves the quorum at teardown: not before group 1's last step
-            _wait_for(self.out / "done1")
+            wait_for(self.out / "done1")
 
 
 def main(replica_id: int, out: Path, max_steps: int, kill: str) -> None:
-    with open(out / f"pids{replica_id}", "a") as f:
-        f.write(f"{os.getpid()}\n")
-    attempt = len((out / f"pids{replica_id}").read_text().split())
-    fault_tolerance = {"replica_id": replica_id, "num_replica_groups": 2,
-                       "lighthouse": (out / "lighthouse").read_text(), "min_replicas": 2, "timeout": 10.0, "quorum_timeout": 30.0, "connect_timeout": 10.0}
-    strategy = FSDPStrategy(fault_tolerance=fault_tolerance, auto_wrap_policy={nn.Linear})  # units a, b, root net
+    attempt = record_pid(out, replica_id)
+    strategy = FSDPStrategy(fault_tolerance=fault_tolerance(out, replica_id),
+                            auto_wrap_policy={nn.Linear})  # units a, b, root net
     windows = Windows(replica_id, out)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps,
                       accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=False, callbacks=[windows],
@@ -138,28 +122,18 @@ def main(replica_id: int, out: Path, max_steps: int, kill: str) -> None:
                       num_sanity_val_steps=0)
     torch.manual_seed(0)
     model = Lit(kill)
-    if replica_id == 1 and attempt > 1:  # a restarted group starts from other weights: only a heal makes them equal
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+    if replica_id == 1 and attempt > 1:
+        start_from_other_weights(model)
     trainer.fit(model, loader())
     loop = trainer.fit_loop
-    full = {k: v.full_tensor().clone() for k, v in model.net.state_dict().items()}
-    torch.save({
-        "weights": full, "global_step": trainer.global_step, "votes": windows.votes, "batches": model.batches,
+    write_record(out, replica_id, {
+        "weights": full_weights(model.net.state_dict()), "global_step": trainer.global_step, "votes": windows.votes,
+        "batches": model.batches,
         "healed": strategy._loop_position.healed, "longest_window_s": windows.longest,
         "loop": {"epoch": trainer.current_epoch, "batches": loop.epoch_loop.batch_progress.state_dict(),
                  "batches_that_stepped": loop.epoch_loop._batches_that_stepped,
                  "lr": trainer.optimizers[0].param_groups[0]["lr"]},
-    }, out / f"group{replica_id}.pt")
-
-
-def _wait_for(path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{path} did not appear within {WAIT_S} s")
-        time.sleep(0.01)
+    })
 
 
 if __name__ == "__main__":
