@@ -18,21 +18,9 @@ import torch
 
 from lightning_fsdp.checkpoint.io import sink as sink_module
 from lightning_fsdp.checkpoint.io.transfers import Transfers, set_transfers, transfers
+from test_sink import K, P, small_parts  # noqa: F401 - a fixture: pytest finds it here by the name the tests take
 
 pytestmark = pytest.mark.single_process
-
-P = 64 * 1024  # a test part size (below S3's 5 MiB minimum: single PUTs have none, and the fake none at all)
-K = 2
-
-
-@pytest.fixture
-def small_parts():
-    before = transfers()
-    set_transfers(Transfers(part_size=P, parts_in_flight=K))  # unchecked on purpose: below the 5 MiB minimum
-    try:
-        yield
-    finally:
-        set_transfers(before)
 
 
 class _FakeS3:

@@ -17,12 +17,15 @@ from lightning_fsdp.checkpoint.io.transfers import Transfers, set_transfers, tra
 
 pytestmark = pytest.mark.single_process
 
-P = 64 * 1024  # a test part size (below S3's 5 MiB: the fake has no minimum, moto's is lowered per test)
+# A test part size, below S3's 5 MiB minimum part: single PUTs have no minimum, nor do the fakes, and moto's is lowered
+# per test. test_save_speed_objects.py imports these three.
+P = 64 * 1024
 K = 2
 
 
 @pytest.fixture
 def small_parts():
+    """Parts of ``P`` bytes, ``K`` in flight, for the test; the transfers before it after."""
     before = transfers()
     set_transfers(Transfers(part_size=P, parts_in_flight=K))  # unchecked on purpose: below the 5 MiB minimum
     try:
