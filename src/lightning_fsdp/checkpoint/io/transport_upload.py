@@ -3,8 +3,10 @@ through its file object. :mod:`.sink` decides what to send and when; this module
 
 - **S3** (:class:`S3Upload`): ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload`` with
   ``If-None-Match: *`` (a token collision fails instead of replacing an object), ``abort_multipart_upload``; an
-  object under one part is one ``put_object`` with the same condition. The requests are coroutines run on s3fs's
-  own event loop (the one its client lives on), so several parts are in flight while the writer fills the next.
+  object under one part is one ``put_object`` with the same condition, sent through obstore where the filesystem
+  translates to it (:mod:`.transport_put`: less of the rank's CPU per byte), else through s3fs. The requests are
+  coroutines run on s3fs's own event loop (the one its client lives on; obstore's are awaited there too), so several
+  parts are in flight while the writer fills the next.
 - **Retries do not stack**: s3fs and botocore are at one attempt (:func:`.remote_errors.client_options`), and ours
   retry one *request*, never the whole object: a part that fails is sent again alone, from the buffer the sink keeps
   until it succeeds. Every request of one upload shares one budget of ``LFSDP_STORE_TIMEOUT_S``, spent as
@@ -33,6 +35,8 @@ from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import remote_errors
 from lightning_fsdp.checkpoint.io.remote_errors import explain, lost_write, transient
+from lightning_fsdp.checkpoint.io.transport_download import Unplaced
+from lightning_fsdp.checkpoint.io.transport_put import puts_for
 
 __all__ = ["Budget", "S3Upload", "FileUpload", "PartBody", "is_s3"]
 
@@ -81,6 +85,7 @@ class S3Upload:
         self.requests = 0  # sent, retries included (what a test counts)
         self.mark = uuid.uuid4().hex  # this upload's own, on the object it makes (see the module: a lost reply)
         self._sizes: dict[int, int] = {}  # part number -> bytes, for the size a completed object must have
+        self.fast = puts_for(fs)  # obstore for the single PUTs, or None: s3fs for every request
 
     @property
     def loop(self) -> Any:
@@ -100,7 +105,7 @@ class S3Upload:
             if body is not None:
                 kwargs["Body"] = PartBody(body)
             try:
-                return await self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+                return await self._send(method, kwargs)
             except Exception as err:  # noqa: BLE001 - transient ones are retried, the rest said with the URL
                 codes = _codes(err)
                 exists = bool(codes & {"PreconditionFailed", "412"})  # If-None-Match on a key that exists
@@ -126,6 +131,17 @@ class S3Upload:
                     continue
                 raise explain(err, self.url, "uploading to", attempts=attempt, seconds=time.monotonic() - first,
                               bound=budget.bound) from err
+
+    async def _send(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """One attempt: a conditional single PUT through obstore where the filesystem translates to it
+        (:mod:`.transport_put`), anything else (and a PUT whose answer obstore could not place) through s3fs."""
+        fast = self.fast
+        if fast is not None and fast.on and method == "put_object" and kwargs.get("IfNoneMatch") == "*":
+            try:
+                return await fast.put(self.bucket, self.key, kwargs["Body"].view, kwargs.get("Metadata"))
+            except Unplaced:
+                fast.on = False  # obstore could not place the answer: this filesystem's PUTs go to s3fs from now on
+        return await self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
 
     async def _ours(self, size: int) -> bool:
         """Whether the object at the key now is the one this upload made: its mark and the size sent. A HEAD
@@ -186,6 +202,11 @@ class PartBody:
 
     def __len__(self) -> int:
         return len(self._view)
+
+    @property
+    def view(self) -> memoryview:
+        """The whole body, uncopied (what obstore sends)."""
+        return self._view
 
     def __bytes__(self) -> bytes:  # a copy, for whoever asks for one (a test's fake client)
         return self._view.tobytes()
