@@ -246,13 +246,13 @@ def test_small_ranges_run_more_at_once_within_the_windows_bytes(monkeypatch, len
     running, peak, lock = [0], [0], threading.Lock()
     original = ranged_read._Fetcher.get
 
-    def counted(self, name, start, end):
+    def counted(self, name, start, end, **into):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
         time.sleep(0.05)  # long enough for every request the window allows to be started meanwhile
         try:
-            return original(self, name, start, end)
+            return original(self, name, start, end, **into)
         finally:
             with lock:
                 running[0] -= 1

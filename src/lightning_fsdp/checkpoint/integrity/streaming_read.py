@@ -148,7 +148,11 @@ class StreamingReader(VerifyingReader):
         needs: list = []
         for item in plan.items:
             needs += self._needs(item, planner)
-        self._fetch(needs)
+        # Every consume runs on this thread: with autograd off, DCP's lookup of each destination takes a DTensor's
+        # local tensor as it is (to_local() through an autograd Function otherwise: a tenth of the calling thread's
+        # time in a load of benchmarks/object_storage.py, py-spy, 2026-11-29), and the copies record nothing.
+        with torch.no_grad():
+            self._fetch(needs)
         future: Future = Future()
         future.set_result(None)
         return future
@@ -217,6 +221,7 @@ class _BlockRead:
         self.payload = math.prod(chunk) * self.itemsize
         self.whole = self.offsets == [0] * len(chunk) and self.lengths == chunk
         self.target: Optional[torch.Tensor] = None
+        self.flat: Optional[torch.Tensor] = None  # the destination's bytes, where a piece is copied as bytes
         self.hashed = 0
         self.unpickled: Optional[bytearray] = None  # the item's bytes, where it must be read as a whole (_head)
 
@@ -321,7 +326,15 @@ class _BlockRead:
                 raise ChecksumError(f"the checkpoint's piece of {self.item.dest_index.fqn!r} has shape"
                                     f" {self.lengths}, where the load expects {list(self.target.size())}: its .metadata"
                                     f" does not describe its bytes.{DAMAGED_HINT}")
+            if self.whole and self.target.dtype == self.dtype and self.target.is_contiguous():
+                # The destination holds the chunk's bytes in the payload's order: each piece is one byte copy into
+                # it, wherever the piece lies in memory (a payload's offset in an object is rarely a multiple of its
+                # element size, and a typed view of it needed a copy of the piece first).
+                self.flat = self.target.reshape(-1).view(torch.uint8)
         data = torch.frombuffer(view, dtype=torch.uint8)
+        if self.flat is not None:
+            self.flat[low:low + len(view)].copy_(data)
+            return
         if data.data_ptr() % self.itemsize:  # the piece starts unaligned in the request's buffer: an aligned copy
             data = data.clone()
         _scatter(self.target, data.view(self.dtype), low // self.itemsize, self.chunk, self.offsets)
