@@ -49,3 +49,68 @@ def test_a_save_runs_with_the_cyclic_collector_paused_and_restores_it(monkeypatc
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _FakeS3:
+    """Just enough of s3fs for the sink's single PUTs: records which buffer each PUT's body was read from."""
+
+    def __init__(self, deny: str = "") -> None:
+        from fsspec.asyn import get_loop
+
+        self.loop = get_loop()
+        self.buffers: list[int] = []
+        self.deny = deny
+
+    def split_path(self, url):
+        bucket, key = url.split("://", 1)[-1].split("/", 1)
+        return bucket, key, None
+
+    async def _call_s3(self, method, **kw):
+        import asyncio
+
+        await asyncio.sleep(0.005)  # the writer gets ahead: several buffers are in use at once
+        if method == "put_object":
+            if kw["Key"] == self.deny:
+                raise PermissionError(f"AccessDenied {kw['Key']}")
+            self.buffers.append(id(kw["Body"].view.obj))
+        return {}
+
+
+def _shard(fs, objects: int, part: int) -> None:
+    from lightning_fsdp.checkpoint.io import sink
+
+    with sink.ShardUpload(fs, lambda name: f"s3://b/{name}", "__0_0.distcp", size_hint=objects * part) as shard:
+        for i in range(objects):
+            if i:
+                shard.next_object(f"__0_{i}.distcp")
+            shard.write(b"x" * (part - 7))
+
+
+def test_part_buffers_are_kept_for_the_next_save_within_one_sinks_bound():
+    from lightning_fsdp.checkpoint.io import sink
+    from lightning_fsdp.checkpoint.io.transfers import Transfers, set_transfers, transfers
+
+    before = transfers()
+    part, window = 64 * 1024, 2
+    set_transfers(Transfers(part_size=part, parts_in_flight=window))  # unchecked: below S3's part minimum
+    sink.release_buffers()
+    try:
+        first = _FakeS3()
+        _shard(first, 8, part)
+        kept = list(sink._KEPT)
+        # What one sink holds at most while it runs, and no more, of the part size in use.
+        assert 1 <= len(kept) <= window + 1 and all(len(b) == part for b in kept)
+        second = _FakeS3()
+        _shard(second, 8, part)
+        # The second save sent from the first one's buffers only: none allocated (before: a new set per save).
+        assert len(second.buffers) == 8 and set(second.buffers) <= set(map(id, kept)), (second.buffers, kept)
+        assert len(sink._KEPT) <= window + 1
+        failing = _FakeS3(deny="__0_3.distcp")
+        with pytest.raises(PermissionError):
+            _shard(failing, 8, part)
+        set_transfers(Transfers(part_size=2 * part, parts_in_flight=window))
+        _shard(_FakeS3(), 2, 2 * part)
+        assert sink._KEPT and all(len(b) == 2 * part for b in sink._KEPT)  # another part size replaces them
+    finally:
+        set_transfers(before)
+        sink.release_buffers()

@@ -220,7 +220,7 @@ def trainer_model_checkpoint_in_a_bucket_resumes_exactly():
 @case
 def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps_the_previous_checkpoint():
     from lightning_fsdp.checkpoint.io import remote_errors
-    from lightning_fsdp.checkpoint.io.store import store_for
+    from lightning_fsdp.checkpoint.io.transport_upload import S3Upload
 
     fabric = make_fabric(WORLD, async_save=True)
     model, opt = _setup(fabric)
@@ -229,16 +229,16 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
     fabric.strategy.wait_for_saves()
     first = full_params(model)
     train_steps(fabric, model, opt, 1)
-    store = store_for(url)  # the one store of this process for s3:// without options: the save's
-    call, backoff, attempts = store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS
+    # Each attempt of an upload's request, through whichever client sends it (s3fs, or obstore for single PUTs).
+    send, backoff, attempts = S3Upload._send, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS
     if fabric.global_rank == 1:  # the store answers rank 1's uploads (its streamed shard) with 503 SlowDown
-        async def slow_down(method, *args, **kwargs):
+        async def slow_down(self, method, kwargs):
             if method in ("put_object", "upload_part"):
                 raise OSError("An error occurred (SlowDown) when calling the PutObject operation: Please reduce"
                               " your request rate.")
-            return await call(method, *args, **kwargs)
+            return await send(self, method, kwargs)
         # Four attempts without waits: the bound alone would retry for its 60 s.
-        store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = slow_down, 0.0, 4
+        S3Upload._send, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = slow_down, 0.0, 4
     try:
         fabric.save(url, {"model": model, "optimizer": opt, "step": 2})  # returns: the upload is in the background
         try:
@@ -248,7 +248,7 @@ def a_background_upload_that_fails_on_one_rank_is_raised_on_every_rank_and_keeps
         else:
             raise AssertionError("the failed background upload was not reported")
     finally:
-        store.fs._call_s3, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = call, backoff, attempts
+        S3Upload._send, remote_errors.BACKOFF_S, remote_errors.ATTEMPTS = send, backoff, attempts
     assert "failed on rank 1" in message and url in message and "SlowDown" in message and "HINT" in message, message
     model2, opt2 = _setup(fabric, seed=1)
     assert fabric.load(url, {"model": model2, "optimizer": opt2}) == {"step": 1}

@@ -37,6 +37,10 @@ def _arm(out: Path) -> None:
 
     socket.socket.send = counted(socket.socket.send)
     socket.socket.sendall = counted(socket.socket.sendall)
+    # The shard's single PUTs go through s3fs from now on, whose bytes pass these Python sockets: obstore's
+    # (checkpoint/io/transport_put.py) are Rust's, which nothing here can cut mid-body. A PUT cut off leaves no
+    # object whichever client sent it; what this test holds is the commit protocol around it.
+    os.environ["LFSDP_S3_CLIENT"] = "s3fs"
 
 
 def main() -> None:
