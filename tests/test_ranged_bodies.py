@@ -156,3 +156,93 @@ def test_the_reads_run_with_autograd_off(tmp_path):
     assert modes and not any(modes), modes
     assert all(torch.equal(state[name].detach(), saved[name]) for name in saved)
     assert torch.is_grad_enabled()  # given back as it was
+
+
+def _load_prefetching(folder: Path, state: dict, planner: Any, seen: list) -> Any:
+    """Load through a reader that starts its rank's requests with the local plan; ``seen`` gets each Fetch made."""
+    from lightning_fsdp.checkpoint.integrity.streaming_read import StreamingReader
+    from lightning_fsdp.checkpoint.io import ranged_read
+
+    remote = _source(folder)
+
+    def prefetch(spans: list) -> Any:
+        seen.append(ranged_read.Fetch(remote, spans))
+        return seen[-1]
+
+    reader = StreamingReader(folder, url_of=remote.url, fetch=lambda needs: ranged_read.fetch(remote, needs),
+                             prefetch=prefetch)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    finally:
+        reader.cancel()
+    return reader
+
+
+def test_the_first_requests_start_with_the_local_plan_before_the_plans_are_exchanged(tmp_path, monkeypatch):
+    import threading
+
+    from lightning_fsdp.checkpoint.io import ranged_read
+
+    saved = _saved()
+    _save(tmp_path / "ck", saved)
+    requested = threading.Event()
+    original = ranged_read._Fetcher.get
+
+    def noted(self, *args, **kwargs):
+        requested.set()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ranged_read._Fetcher, "get", noted)
+    waited: list[bool] = []
+
+    class Exchanging(dcp.DefaultLoadPlanner):
+        def create_global_plan(self, plans: list) -> Any:  # where the ranks' plans meet: a collective in a job
+            waited.append(requested.wait(timeout=60))  # a bound against a hang only: set at once where it works
+            return super().create_global_plan(plans)
+
+    state = {name: torch.zeros_like(t) for name, t in saved.items()}
+    seen: list = []
+    _load_prefetching(tmp_path / "ck", state, Exchanging(), seen)
+    assert waited == [True], "no request was sent before the plans were exchanged"
+    assert all(torch.equal(state[name], saved[name]) for name in saved)
+    assert len(seen) == 1 and seen[0].bodies.map.closed
+
+
+def test_a_plan_that_comes_back_changed_drops_the_early_requests_and_reads_its_own(tmp_path):
+    saved = _saved()
+    _save(tmp_path / "ck", saved)
+
+    class Halving(dcp.DefaultLoadPlanner):
+        def finish_plan(self, plan: Any) -> Any:  # the plan read is not the one the reader saw first
+            import dataclasses
+
+            return dataclasses.replace(plan, items=[i for i in plan.items if i.dest_index.fqn in ("t1", "t3")])
+
+    state = {name: torch.zeros_like(t) for name, t in saved.items()}
+    seen: list = []
+    _load_prefetching(tmp_path / "ck", state, Halving(), seen)
+    assert [name for name in saved if torch.equal(state[name], saved[name])] == ["t1", "t3"]
+    assert not any(state[name].any() for name in ("t0", "t2", "t4"))
+    assert len(seen) == 1 and seen[0].bodies.map.closed and not seen[0].futures
+
+
+def test_a_load_that_fails_before_it_reads_stops_the_early_requests(tmp_path):
+    saved = _saved()
+    _save(tmp_path / "ck", saved)
+
+    class Failing(dcp.DefaultLoadPlanner):
+        def finish_plan(self, plan: Any) -> Any:
+            raise _Refused("the plans do not fit")
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen: list = []
+    with pytest.raises(CheckpointException, match="the plans do not fit"):  # DCP's own, around the planner's
+        _load_prefetching(tmp_path / "ck", {name: torch.zeros_like(t) for name, t in saved.items()}, Failing(), seen)
+    assert len(seen) == 1 and seen[0].bodies.map.closed and not seen[0].following
+
+
+class _Refused(RuntimeError):
+    pass

@@ -17,13 +17,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -224,8 +219,12 @@ def _load_sharded(
     # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads;
     # from a bucket, each rank reads only the byte ranges of its own items, into memory (issue 43).
     reader = _sharded_reader(source, weights_only)
-    together(comm, f"Reading the shards of {str(source)!r}",
-             lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
+    try:
+        together(comm, f"Reading the shards of {str(source)!r}",
+                 lambda: dcp.load(tensors, storage_reader=reader, planner=planner))
+    finally:
+        if isinstance(reader, StreamingReader):
+            reader.cancel()  # requests started with the rank's plan, where the load failed before it read them
     # Every rank read the same param groups, so every rank reaches the same answer.
     optimizers = {k: ({"param_groups": [{"params": sorted(live[k])}]}, saved, fit.listed_names(tensors[where[k]]))
                   for k, (_, saved, _) in optimizers.items()}
@@ -439,7 +438,8 @@ def _sharded_reader(source: Path, weights_only: bool) -> VerifyingReader:
     if remote is None:
         return VerifyingReader(source, allow_pickle=not weights_only)
     return StreamingReader(source, allow_pickle=not weights_only, url_of=remote.url,
-                           fetch=lambda needs: ranged_read.fetch(remote, needs))
+                           fetch=lambda needs: ranged_read.fetch(remote, needs),
+                           prefetch=lambda spans: ranged_read.Fetch(remote, spans))
 
 
 def _check_shard_files(source: Path, weights_only: bool) -> None:

@@ -112,9 +112,14 @@ class StreamingReader(VerifyingReader):
     """
 
     def __init__(self, path: Union[str, Path], *, fetch: Fetch, url_of: Callable[[str], str],
-                 allow_pickle: bool = False, piece_size: Optional[int] = None) -> None:
+                 allow_pickle: bool = False, piece_size: Optional[int] = None,
+                 prefetch: Optional[Callable[[list], Any]] = None) -> None:
         super().__init__(path, allow_pickle=allow_pickle)
         self._fetch, self._url_of = fetch, url_of
+        # prefetch(spans) starts the requests of those (object, start, end) at once and returns what serves them
+        # (``serve(needs)``, ``cancel()``): the io layer's ranged reads, passed in as ``fetch`` is.
+        self._prefetch = prefetch
+        self._started: Optional[Any] = None
         self._piece = piece_size or PIECE
         self._metadata: Any = None
         self._payloads: Optional[dict] = None
@@ -144,15 +149,48 @@ class StreamingReader(VerifyingReader):
                 self._payloads = parse_payloads(json.loads(file.read_bytes()), self._manifest_url())
         return self._payloads
 
+    def prepare_local_plan(self, plan: Any) -> Any:
+        """The rank's own plan, known before DCP's planning gathers and scatters the plans of every rank (about a
+        tenth of a second of a load in ``benchmarks/object_storage.py``): the first window of its requests starts
+        now, and :meth:`read_data` serves them when the plan it gets reads the same bytes (a load's plan comes back
+        as it went). Where the needs cannot be made here (damaged records), nothing starts: read_data says why."""
+        plan = super().prepare_local_plan(plan)
+        self.cancel()
+        if self._prefetch is not None:
+            try:
+                spans = [n[:3] for item in plan.items for n in self._needs(item, None)]
+            except Exception:  # noqa: BLE001 (read_data makes the same needs and raises the error where it belongs)
+                spans = None
+            if spans:
+                self._started = self._prefetch(spans)
+        return plan
+
+    def cancel(self) -> None:
+        """Stop the requests :meth:`prepare_local_plan` started and give their memory back (a load that failed
+        before it read)."""
+        started, self._started = self._started, None
+        if started is not None:
+            started.cancel()
+
     def read_data(self, plan: Any, planner: Any) -> Future:
-        needs: list = []
-        for item in plan.items:
-            needs += self._needs(item, planner)
-        # Every consume runs on this thread: with autograd off, DCP's lookup of each destination takes a DTensor's
-        # local tensor as it is (to_local() through an autograd Function otherwise: a tenth of the calling thread's
-        # time in a load of benchmarks/object_storage.py, py-spy, 2026-11-29), and the copies record nothing.
-        with torch.no_grad():
-            self._fetch(needs)
+        started, self._started = self._started, None
+        try:
+            needs: list = []
+            for item in plan.items:
+                needs += self._needs(item, planner)
+            # Every consume runs on this thread: with autograd off, DCP's lookup of each destination takes a
+            # DTensor's local tensor as it is (to_local() through an autograd Function otherwise: a tenth of the
+            # calling thread's time in a load of benchmarks/object_storage.py, py-spy, 2026-11-29), and the copies
+            # record nothing.
+            with torch.no_grad():
+                if started is not None and sorted(n[:3] for n in needs) == started.spans:
+                    started, serving = None, started
+                    serving.serve(needs)
+                else:
+                    self._fetch(needs)
+        finally:
+            if started is not None:  # started for another plan: its requests are dropped
+                started.cancel()
         future: Future = Future()
         future.set_result(None)
         return future

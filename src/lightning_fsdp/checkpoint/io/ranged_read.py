@@ -45,7 +45,7 @@ from lightning_fsdp.checkpoint.io.remote_errors import damaged, retrying
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
 from lightning_fsdp.checkpoint.io.transfers import transfers
 
-__all__ = ["fetch", "coalesce", "Need", "MAX_GAP"]
+__all__ = ["fetch", "Fetch", "coalesce", "Need", "MAX_GAP"]
 
 Need = tuple  # (name, start, end, consume(memoryview) -> None)
 MAX_GAP = 256 * 2**10
@@ -199,65 +199,87 @@ class _Fetcher:
 def fetch(source: RemoteObjects, needs: list[Need], *, ranges_in_flight: Optional[int] = None,
           range_size: Optional[int] = None) -> None:
     """Fetch every need's bytes and hand them to its ``consume``, in order of (object, start); see the module."""
-    settings = transfers()
-    window = ranges_in_flight or settings.ranges_in_flight
-    size = range_size or settings.range_size
-    needs = sorted(needs, key=lambda n: (n[0], n[1], n[2]))
-    requests: list[tuple[str, int, int]] = []
-    for name in dict.fromkeys(n[0] for n in needs):
-        requests += [(name, s, e) for s, e in coalesce(((n[1], n[2]) for n in needs if n[0] == name), size)]
-    if not requests:
-        return
-    fetcher = _Fetcher(source)
-    # Each request runs in a copy of the caller's context: its retries spend the caller's one budget
-    # (remote_errors.one_budget, opened by the load) instead of a fresh bound per pool thread, so an outage fails
-    # the load within LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
-    pending = _Pending(needs)
-    assembling: dict[int, tuple[bytearray, list[int]]] = {}  # index in pending.needs -> (its buffer, [bytes filled])
-    # The window is one of bytes: at most `window` requests, or more small ones (up to SMALL_REQUESTS times as many)
-    # while the bytes they ask for stay within `window * size`; so the bodies alive are at most window * size bytes
-    # either way. Small requests are mostly round trips (rank 0 of benchmarks/object_storage.py reads ~100 replicated
-    # scalars of 1.5 KB from the other rank's shard): four at a time left that rank's fetch twice the other's.
-    most = window * SMALL_REQUESTS
-    # Never more than the requests themselves need: a small fetch maps little, and a window of 64 ranges of 1 GiB is
-    # not asked of the kernel for a load of a few MiB.
-    bodies = _Bodies(min(window * size, sum(e - s for _, s, e in requests) + _ALIGN * len(requests)) + _ALIGN)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(most, len(requests)),
-                                                   thread_name_prefix="lfsdp-range") as pool:
-            futures: deque = deque()
-            following = deque(requests)
+    Fetch(source, [n[:3] for n in needs], ranges_in_flight=ranges_in_flight, range_size=range_size).serve(needs)
 
-            def start_more() -> None:
-                # The mapping holds the window's bytes: a request starts when its body fits there (and while fewer
-                # than `most` run), so the bodies alive stay within window * size whatever their sizes.
-                while following and len(futures) < most:
-                    name, start, end = following[0]
-                    into = bodies.take(start, end - start)
-                    if into is None:
-                        return
-                    following.popleft()
-                    futures.append(((name, start, end), pool.submit(contextvars.copy_context().run, fetcher.get,
-                                                                    name, start, end, into=into)))
 
-            try:
-                start_more()
-                while futures:
-                    (name, start, end), future = futures.popleft()
-                    body = future.result()
-                    del future
-                    _serve(name, start, end, body, pending, assembling)
-                    del body  # consumers copy what they keep: the region is the next request's
-                    bodies.give_back()
-                    start_more()
-            except BaseException:
-                for _, future in futures:
-                    future.cancel()
-                raise
-    finally:
-        bodies.close()  # after the pool's threads ended: none writes into it any more
-    if pending.left:  # cannot happen: every need lies in the requests made for it
-        raise RuntimeError(f"internal error: {pending.left} ranges were never served; please report it")
+class Fetch:
+    """The requests for ``spans`` (``(object name, start, end)``), started at once: the first window of them runs
+    while the caller has other work (a load's planning), and :meth:`serve` hands the bytes to the needs of exactly
+    those spans as :func:`fetch` does. :meth:`cancel` (or the end of :meth:`serve`) waits for the requests in flight
+    and gives their memory back; requests not started are never sent."""
+
+    def __init__(self, source: RemoteObjects, spans: list[tuple[str, int, int]], *,
+                 ranges_in_flight: Optional[int] = None, range_size: Optional[int] = None) -> None:
+        settings = transfers()
+        window = ranges_in_flight or settings.ranges_in_flight
+        size = range_size or settings.range_size
+        self.spans = sorted(spans)
+        requests: list[tuple[str, int, int]] = []
+        for name in dict.fromkeys(n[0] for n in self.spans):
+            requests += [(name, s, e) for s, e in coalesce(((n[1], n[2]) for n in self.spans if n[0] == name), size)]
+        self.following = deque(requests)
+        self.futures: deque = deque()
+        self.fetcher = _Fetcher(source)
+        # The window is one of bytes: at most `window` requests, or more small ones (up to SMALL_REQUESTS times as
+        # many) while the bytes they ask for stay within `window * size`; so the bodies alive are at most window *
+        # size bytes either way. Small requests are mostly round trips (rank 0 of benchmarks/object_storage.py reads
+        # ~100 replicated scalars of 1.5 KB from the other rank's shard): four at a time left that rank's fetch twice
+        # the other's.
+        self.most = window * SMALL_REQUESTS
+        # Never more than the requests themselves need: a small fetch maps little, and a window of 64 ranges of 1 GiB
+        # is not asked of the kernel for a load of a few MiB.
+        self.bodies = _Bodies(min(window * size, sum(e - s for _, s, e in requests) + _ALIGN * len(requests))
+                              + _ALIGN) if requests else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(self.most, len(requests))),
+                                                          thread_name_prefix="lfsdp-range")
+        self._start_more()
+
+    def _start_more(self) -> None:
+        # The mapping holds the window's bytes: a request starts when its body fits there (and while fewer than
+        # `most` run), so the bodies alive stay within window * size whatever their sizes. Each request runs in a
+        # copy of the caller's context: its retries spend the caller's one budget (remote_errors.one_budget, opened by
+        # the load) instead of a fresh bound per pool thread, so an outage fails the load within
+        # LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
+        while self.following and len(self.futures) < self.most:
+            name, start, end = self.following[0]
+            into = self.bodies.take(start, end - start)
+            if into is None:
+                return
+            self.following.popleft()
+            self.futures.append(((name, start, end), self.pool.submit(contextvars.copy_context().run, self.fetcher.get,
+                                                                      name, start, end, into=into)))
+
+    def serve(self, needs: list[Need]) -> None:
+        """Hand each need's bytes to its ``consume`` (the needs of the spans given at the start), then end."""
+        needs = sorted(needs, key=lambda n: (n[0], n[1], n[2]))
+        if [n[:3] for n in needs] != self.spans:
+            self.cancel()
+            raise RuntimeError("internal error: a fetch served needs other than those it was started for; please"
+                               " report it")
+        pending = _Pending(needs)
+        assembling: dict[int, tuple[bytearray, list[int]]] = {}  # index in pending.needs -> (buffer, [bytes filled])
+        try:
+            while self.futures:
+                (name, start, end), future = self.futures.popleft()
+                body = future.result()
+                del future
+                _serve(name, start, end, body, pending, assembling)
+                del body  # consumers copy what they keep: the region is the next request's
+                self.bodies.give_back()
+                self._start_more()
+        finally:
+            self.cancel()
+        if pending.left:  # cannot happen: every need lies in the requests made for it
+            raise RuntimeError(f"internal error: {pending.left} ranges were never served; please report it")
+
+    def cancel(self) -> None:
+        """Send no more requests, wait for those in flight, give the memory back (again: nothing)."""
+        self.following.clear()
+        while self.futures:  # popped, not iterated: no name left bound to a future, whose result is a body
+            self.futures.popleft()[1].cancel()
+        self.pool.shutdown(wait=True)
+        if self.bodies is not None:
+            self.bodies.close()  # after the pool's threads ended: none writes into it, none holds a body
 
 
 class _Bodies:
