@@ -181,3 +181,26 @@ def test_the_payload_is_signed_where_botocore_signs_it(monkeypatch, endpoint, op
     assert fast._kwargs.get("unsigned_payload", False) is (not signed)
     assert fast._kwargs["endpoint"] == endpoint
     assert transport_upload.S3Upload(fs, "s3://bucket/key").fast is fast
+
+
+def test_a_filesystem_equal_to_an_earlier_one_but_for_another_endpoint_gets_its_own_client(monkeypatch):
+    # fsspec filesystems compare equal by their arguments alone; the endpoint may come from the environment, read
+    # when each is made. The clients were cached by equality, so the second got the first one's endpoint (in the
+    # suite: its PUTs and GETs went to another test's server).
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv(transport_download.VARIABLE, raising=False)
+    made = []
+    for endpoint in ("http://127.0.0.1:9", "http://127.0.0.1:10"):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        fs = remote_errors.bounded_filesystem(s3fs.S3FileSystem, "s3", {"skip_instance_cache": True})
+        made.append((fs, transport_put.puts_for(fs)))  # used while the environment names its endpoint
+    (first, first_puts), (second, second_puts) = made
+    assert first is not second and first == second
+    assert first_puts._kwargs["endpoint"] == "http://127.0.0.1:9"
+    assert second_puts._kwargs["endpoint"] == "http://127.0.0.1:10"
+    assert transport_download.client_for(second)._kwargs["endpoint"] == "http://127.0.0.1:10"
+    assert transport_put.puts_for(first) is first_puts  # still one per filesystem

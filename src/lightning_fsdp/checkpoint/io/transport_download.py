@@ -50,7 +50,9 @@ _CONFIG_KWARGS = {"retries", "connect_timeout", "read_timeout", "max_pool_connec
                   "request_checksum_calculation", "response_checksum_validation"}
 _S3_CONFIG = {"addressing_style", "payload_signing_enabled"}
 _SESSION_KWARGS = {"profile"}  # what the profile selects is read back from the client
-_CLIENTS: "weakref.WeakKeyDictionary[Any, Optional[FastRanges]]" = weakref.WeakKeyDictionary()
+# By the filesystem's identity, not its equality: fsspec filesystems compare equal by their arguments alone, so one
+# made later for another endpoint (the environment's, read when it is made) would get the first one's client.
+_CLIENTS: "dict[int, tuple[weakref.ref, Optional[FastRanges]]]" = {}
 _LOCK = threading.Lock()
 
 
@@ -65,18 +67,16 @@ def client_for(fs: Any) -> Optional["FastRanges"]:
     if os.environ.get(VARIABLE, "").strip().lower() == "s3fs":
         return None
     with _LOCK:
-        try:
-            if fs in _CLIENTS:
-                return _CLIENTS[fs]
-        except TypeError:  # not weakly referable: made again each time, which costs one connect
-            pass
+        known = _CLIENTS.get(id(fs))
+        if known is not None and known[0]() is fs:
+            return known[1]
         try:
             made = _make(fs)
         except Exception:  # noqa: BLE001 (s3fs could not connect, say: it says why itself on the first request)
             made = None
         try:
-            _CLIENTS[fs] = made
-        except TypeError:
+            _CLIENTS[id(fs)] = (weakref.ref(fs), made)
+        except TypeError:  # not weakly referable: made again each time, which costs one connect
             pass
         return made
 
