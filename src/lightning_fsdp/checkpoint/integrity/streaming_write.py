@@ -279,4 +279,5 @@ def _item_bytes(item: Any) -> int:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    # The dtype's own attribute: making a tensor per item to ask it was 1% of a sharded save to S3 (py-spy).
+    return dtype.itemsize
