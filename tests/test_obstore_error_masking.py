@@ -77,3 +77,24 @@ def test_the_masking_keeps_the_elements_and_what_is_not_a_signing_input():
     masked = masked_body(BODY.decode() + "\n" + BODY.decode().replace('"', '\\"'))
     assert KEY_ID not in masked and SIGNATURE not in masked and "20261129T000000Z" not in masked
     assert masked.count("<AWSAccessKeyId>***</AWSAccessKeyId>") == 2 and "<RequestId>4442587FB7D0A2F9" in masked
+
+
+TOKEN = "FwoGZXIvYXdzEXAMPLESESSIONTOKENsecretpart0123"
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("body", [
+    # AWS's answers to an expired or malformed session token repeat it (reviewer's finding: it was shown).
+    f"<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message><Token-0>{TOKEN}</Token-0>"
+    "<RequestId>R1</RequestId></Error>",
+    f"<Error><Code>InvalidToken</Code><Message>bad</Message><SessionToken>{TOKEN}</SessionToken></Error>",
+    f"<Error><Code>AccessDenied</Code><X-Amz-Security-Token>{TOKEN}</X-Amz-Security-Token></Error>",
+    # A body cut before the closing tag (a message cut to a length) still hides what the element held.
+    f"<Error><Code>SignatureDoesNotMatch</Code><Message>{'x' * 300}</Message><SignatureProvided>{TOKEN}",
+])
+def test_the_session_token_and_cut_elements_are_masked(body):
+    from lightning_fsdp.checkpoint.io.transport_download import masked_body
+
+    masked = masked_body(body)
+    assert TOKEN[:8] not in masked, masked
+    assert "<Code>" in masked and "***" in masked  # the error's reason stays, the element is named

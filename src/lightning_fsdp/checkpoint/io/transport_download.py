@@ -278,10 +278,13 @@ def _said(err: BaseException) -> BaseException:
     return Unplaced(f"{first}. HINT: read through s3fs, which may place it")
 
 
-# Elements of an S3 error body that repeat the request's signing inputs: the access key id counts as a secret here
-# (``_base.secrets`` masks the ``key`` option), and the string to sign and signature help nobody but an attacker.
-_ECHOED = re.compile(r"<(AWSAccessKeyId|AccessKeyId|StringToSign(?:Bytes)?|CanonicalRequest(?:Bytes)?|"
-                     r"SignatureProvided)>.*?</\1>", re.S)
+# Elements of an S3 error body that repeat what the request was signed with: the access key id counts as a secret
+# here (``_base.secrets`` masks the ``key`` option), the session token is one (AWS's ExpiredToken and InvalidToken
+# bodies repeat it as <Token-0>), and the string to sign and signature help nobody but an attacker. By name, so a
+# server's variant (<SessionToken>, <X-Amz-Security-Token>) is masked too; an element a cut body leaves unclosed is
+# masked to the end of the text.
+_ECHOED = re.compile(r"<([\w-]*(?:KeyId|Token|Signature|StringToSign|CanonicalRequest|Secret)[\w-]*)>.*?(?:</\1>|$)",
+                     re.S)
 
 
 def masked_body(text: str) -> str:
