@@ -114,3 +114,44 @@ def test_part_buffers_are_kept_for_the_next_save_within_one_sinks_bound():
     finally:
         set_transfers(before)
         sink.release_buffers()
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_manifest_is_written_once_and_fsynced_only_where_the_folder_is_kept(tmp_path, monkeypatch, streaming):
+    # A save to object storage stages `.metadata` and `checksums.json` locally only for its upload: it wrote the
+    # manifest twice (the payloads added by a rewrite), each with an fsync. A local save's folder is the checkpoint
+    # itself and keeps its fsync.
+    import json
+    import os
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
+    from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
+    from lightning_fsdp.checkpoint.integrity.streaming_write import PAYLOADS_KEY, StreamingWriter
+
+    synced, opened = [], []
+    real_fsync, real_open = os.fsync, open
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+
+    def counting_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith(CHECKSUMS_FILENAME) and "w" in mode:
+            opened.append(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    if streaming:
+        writer = StreamingWriter(tmp_path, save_id="0123456789abcdef0123456789abcdef", open_object=None)
+    else:
+        writer = ChecksumWriter(tmp_path, save_id="0123456789abcdef0123456789abcdef")
+    from lightning_fsdp.checkpoint.integrity.digests import ALGORITHM, ALGORITHMS
+
+    seed_of, new_hasher = ALGORITHMS[ALGORITHM]
+    writer._recording.start(lambda: new_hasher(seed_of(writer.save_id)))  # as write_data does first
+    writer.finish(Metadata(state_dict_metadata={}), [[]])
+    manifest = json.loads((tmp_path / CHECKSUMS_FILENAME).read_bytes())
+    assert len(opened) == 1
+    if streaming:
+        assert manifest[PAYLOADS_KEY] == [] and synced == []
+    else:
+        assert PAYLOADS_KEY not in manifest and synced

@@ -159,12 +159,15 @@ class ChecksumWriter(dcp.FileSystemWriter):
         future.set_result(stamped)
         return future
 
+    def _extend_manifest(self, manifest: dict[str, Any], results: list) -> None:
+        """What a subclass adds to ``checksums.json`` before it is written (nothing here)."""
+
     def finish(self, metadata: Any, results: list) -> None:
         items, plain = [], []
         for rank_results in results:
             unpacked = []
             for result in rank_results:
-                info, digest = result.storage_data
+                info, digest = result.storage_data[:2]
                 items.append([info.relative_path, info.offset, info.length, digest, item_name(result.index)])
                 unpacked.append(replace(result, storage_data=info))
             plain.append(unpacked)
@@ -177,10 +180,12 @@ class ChecksumWriter(dcp.FileSystemWriter):
             manifest = {"format": MANIFEST_FORMAT, "algorithm": self._algorithm, "save_id": self._save_id,
                         "items": items, "files": files, COMMIT_ORDER_KEY: order_to_record(self._commit_order),
                         MANIFEST_KEY: torch.__version__}  # names the writer if a later, older torch cannot read it
+            self._extend_manifest(manifest, results)
             with open(Path(self.path) / CHECKSUMS_FILENAME, "w") as file:
                 json.dump(manifest, file)
                 file.flush()
-                os.fsync(file.fileno())
+                if self.sync_files:  # a staging folder that is only read back for an upload needs no fsync
+                    os.fsync(file.fileno())
         except BaseException as err:
             self._recording.raise_recorded(err)
             raise

@@ -33,12 +33,9 @@ copy.
 from __future__ import annotations
 
 import io
-import json
-import os
 import struct
 import zipfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -47,7 +44,6 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.integrity.digests import ALGORITHMS, storage_bytes
 from lightning_fsdp.checkpoint.integrity.sharded_write import ChecksumWriter
 
@@ -262,14 +258,13 @@ class StreamingWriter(ChecksumWriter):
                     payloads.append(payload)
                 unpacked.append(replace(result, storage_data=(info, digest)))
             plain.append(unpacked)
-        super().finish(metadata, plain)  # `.metadata` and `checksums.json`, in rank 0's staging folder
-        manifest_path = Path(self.path) / CHECKSUMS_FILENAME
-        manifest = json.loads(manifest_path.read_bytes())
-        manifest[PAYLOADS_KEY] = sorted(payloads, key=lambda p: (p[0], p[1]))
-        with open(manifest_path, "w") as file:  # small, local, rank 0's: rewritten with the key added
-            json.dump(manifest, file)
-            file.flush()
-            os.fsync(file.fileno())
+        self._payloads = sorted(payloads, key=lambda p: (p[0], p[1]))
+        # `.metadata` and `checksums.json` (with the key added, `_extend_manifest`), in rank 0's staging folder,
+        # written once and not fsynced (`sync_files=False`): they are only read back by the upload.
+        super().finish(metadata, plain)
+
+    def _extend_manifest(self, manifest: dict, results: list) -> None:
+        manifest[PAYLOADS_KEY] = self._payloads
 
 
 def _item_bytes(item: Any) -> int:
