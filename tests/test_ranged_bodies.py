@@ -246,3 +246,31 @@ def test_a_load_that_fails_before_it_reads_stops_the_early_requests(tmp_path):
 
 class _Refused(RuntimeError):
     pass
+
+
+def test_the_request_threads_outlive_a_fetch_and_serve_the_next(tmp_path, monkeypatch):
+    # A pool per fetch started its threads anew for every load, each start a wait for the scheduler. The threads are
+    # daemons, so an idle one never holds up the end of the process (and the worker pools' isolation check, which
+    # counts threads left running, does not count them).
+    import threading
+
+    from lightning_fsdp.checkpoint.io import ranged_read
+
+    (tmp_path / "shard").write_bytes(bytes(range(256)) * 4096)
+    threads: list[list[threading.Thread]] = [[], []]
+    original = ranged_read._Fetcher.get
+
+    def noted(self, *args, **kwargs):
+        threads[turn].append(threading.current_thread())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ranged_read._Fetcher, "get", noted)
+    spans = [(i * 300 * KIB, i * 300 * KIB + KIB) for i in range(3)]
+    alive: list[threading.Thread] = []
+    for turn in (0, 1):
+        got: list[bytes] = []
+        ranged_read.fetch(_source(tmp_path), [("shard", s, e, lambda v: got.append(bytes(v))) for s, e in spans])
+        assert got == [bytes(range(256)) * 4] * 3
+        alive += [t for t in threading.enumerate() if t.name.startswith("lfsdp-range")] if turn == 0 else []
+    assert all(t.daemon for t in threads[0] + threads[1])
+    assert set(threads[1]) <= set(alive), "the second fetch started threads of its own"

@@ -36,6 +36,9 @@ import concurrent.futures
 import contextvars
 import errno
 import mmap
+import os
+import queue
+import threading
 from collections import deque
 from typing import Any, Iterable, Optional
 
@@ -230,8 +233,6 @@ class Fetch:
         # is not asked of the kernel for a load of a few MiB.
         self.bodies = _Bodies(min(window * size, sum(e - s for _, s, e in requests) + _ALIGN * len(requests))
                               + _ALIGN) if requests else None
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(self.most, len(requests))),
-                                                          thread_name_prefix="lfsdp-range")
         self._start_more()
 
     def _start_more(self) -> None:
@@ -246,8 +247,9 @@ class Fetch:
             if into is None:
                 return
             self.following.popleft()
-            self.futures.append(((name, start, end), self.pool.submit(contextvars.copy_context().run, self.fetcher.get,
-                                                                      name, start, end, into=into)))
+            body = [into]  # emptied where the request is cancelled before it starts: its task then holds no body
+            self.futures.append(((name, start, end), body, _WORKERS.submit(contextvars.copy_context().run, _get,
+                                                                           self.fetcher, name, start, end, body)))
 
     def serve(self, needs: list[Need]) -> None:
         """Hand each need's bytes to its ``consume`` (the needs of the spans given at the start), then end."""
@@ -260,9 +262,9 @@ class Fetch:
         assembling: dict[int, tuple[bytearray, list[int]]] = {}  # index in pending.needs -> (buffer, [bytes filled])
         try:
             while self.futures:
-                (name, start, end), future = self.futures.popleft()
-                body = future.result()
-                del future
+                (name, start, end), held, future = self.futures.popleft()
+                future.result()
+                body = held.pop()
                 _serve(name, start, end, body, pending, assembling)
                 del body  # consumers copy what they keep: the region is the next request's
                 self.bodies.give_back()
@@ -275,11 +277,77 @@ class Fetch:
     def cancel(self) -> None:
         """Send no more requests, wait for those in flight, give the memory back (again: nothing)."""
         self.following.clear()
-        while self.futures:  # popped, not iterated: no name left bound to a future, whose result is a body
-            self.futures.popleft()[1].cancel()
-        self.pool.shutdown(wait=True)
+        running = []
+        while self.futures:
+            _, held, future = self.futures.popleft()
+            if future.cancel():
+                held.clear()  # its task, still queued, holds the list: the body goes now
+            else:
+                running.append(future)
+            del held, future
+        concurrent.futures.wait(running)  # a worker lets go of its task (and body) before its future is done
         if self.bodies is not None:
-            self.bodies.close()  # after the pool's threads ended: none writes into it, none holds a body
+            self.bodies.close()  # no request writes into it any more
+
+
+def _get(fetcher: _Fetcher, name: str, start: int, end: int, body: list) -> None:
+    if body:
+        fetcher.get(name, start, end, into=body[0])
+
+
+class _Workers:
+    """Daemon threads shared by the fetches of a process: a fetch submits at most its window of requests, and a
+    thread starts only when none is idle, so a load runs as many as its window needs; one idle for ``IDLE_S`` ends.
+    A pool per fetch started its threads anew for every load, each start a wait for the scheduler (7 % of the calling
+    thread's time in a load of benchmarks/object_storage.py, py-spy, 2026-11-29). Daemons: an idle one never holds
+    up the end of the process (a request in flight has a caller waiting for it)."""
+
+    IDLE_S = 20.0
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = threading.Semaphore(0)
+
+    def submit(self, function: Any, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.tasks.put((future, function, args, kwargs))
+        if not self.idle.acquire(blocking=False):
+            threading.Thread(target=self._run, name="lfsdp-range", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            try:
+                task = self.tasks.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                if self.idle.acquire(blocking=False):  # else a request was just handed to this thread: take it
+                    return
+                continue
+            future, error = task[0], None
+            if future.set_running_or_notify_cancel():
+                try:
+                    task[1](*task[2], **task[3])
+                except BaseException as err:  # noqa: BLE001 (the caller gets it through the future)
+                    error = err
+            # Let go of the task (its body among its arguments) and count this thread idle before the future is
+            # done: the caller may then close the body's mapping, and its next request finds this thread, at once.
+            del task
+            self.idle.release()
+            if error is not None:
+                future.set_exception(error)
+                del error  # its traceback holds the body
+            elif not future.cancelled():
+                future.set_result(None)
+            del future
+
+
+def _new_workers() -> None:
+    global _WORKERS
+    _WORKERS = _Workers()
+
+
+_WORKERS = _Workers()
+os.register_at_fork(after_in_child=_new_workers)  # a forked child has none of its parent's threads
 
 
 class _Bodies:
