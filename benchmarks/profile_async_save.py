@@ -1,35 +1,70 @@
 """Where the time of a background save's call goes: cProfile of the 4th ``fabric.save`` with ``async_save=True`` on
-rank 0 (the first saves allocate the host buffers and fill DCP's plan cache), 17M-parameter GPT, 2 CPU ranks.
+rank 0 (the first saves allocate the host buffers and fill DCP's plan cache), 17M-parameter GPT, 2 CPU ranks; to a
+local folder, or with ``--s3`` to the S3 server of ``object_storage.py`` (moto behind its counting middleware, started
+in this process), where the benchmark's "async save stall" row is measured.
 
     flock /tmp/cpu.lock python -m torch.distributed.run --nproc_per_node=2 benchmarks/profile_async_save.py
+    flock /tmp/cpu.lock python benchmarks/profile_async_save.py --s3
+
+Found with ``--s3`` (2026-11-29, the call ~0.1 s on rank 0): rank 0's checks of the target before anything is
+staged (``check_target``, the commit orders of the directory: S3 round trips, ~0.05 s, which rank 1 waits for in
+the agreement), DCP's staging copy into the reused host buffers (~0.015 s), the state dicts (~0.01 s), the scan of
+the temporary folder for stale staging folders (~0.006 s here, where it holds 15,000 entries).
 """
 
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from lightning.fabric import Fabric
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import SIZES, GPT, Block, batch, loss_of  # noqa: E402
 
-from lightning_fsdp.fabric import FSDPStrategy  # noqa: E402
+def _serve_and_launch() -> None:
+    """The S3 server in this process, the two ranks under torchrun, signing as the benchmark's ranks do."""
+    import boto3
+
+    import object_storage as bench
+
+    server, endpoint = bench.serve(True)
+    try:
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket=bench.BUCKET)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true", "PROFILE_ASYNC_URL": f"s3://{bench.BUCKET}/async-{os.getpid()}"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        __file__], check=True, env=env)
+    finally:
+        server.shutdown()
 
 
 def main() -> None:
+    if "--s3" in sys.argv[1:]:
+        _serve_and_launch()
+        return
+    import torch
+    from lightning.fabric import Fabric
+
+    from gpt import SIZES, GPT, Block, batch, loss_of
+    from lightning_fsdp.fabric import FSDPStrategy
+
+    if os.environ.get("PROFILE_ASYNC_URL"):
+        os.environ["AWS_ACCESS_KEY_ID"] = f"w2r{os.environ['RANK']}"  # before any client exists, as the benchmark
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}, async_save=True))
     fabric.launch()
     cfg = SIZES["17m"]
     model = GPT(cfg)
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
-    root = fabric.broadcast(tempfile.mkdtemp())
+    root = os.environ.get("PROFILE_ASYNC_URL") or fabric.broadcast(tempfile.mkdtemp())
     saves = fabric.strategy._background_saves
 
     def step(i: int) -> None:

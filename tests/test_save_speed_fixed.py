@@ -155,3 +155,50 @@ def test_the_manifest_is_written_once_and_fsynced_only_where_the_folder_is_kept(
         assert manifest[PAYLOADS_KEY] == [] and synced == []
     else:
         assert PAYLOADS_KEY not in manifest and synced
+
+
+def test_rank_0s_reads_of_a_bucket_before_a_save_run_side_by_side(monkeypatch, tmp_path):
+    # The target's checks and the directory's commit orders are round trips to the store each, on the path of every
+    # save (and of a background save's call): they ran one after the other. Each waits here for the other to start.
+    import threading
+
+    from lightning_fsdp.checkpoint import save
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+
+    both = threading.Barrier(2, timeout=10)  # a bound against a hang only: the old code waited it out alone
+    seen = []
+
+    class _Store:
+        remote = True
+
+        def target(self, path):
+            return str(path)
+
+        def staging(self, target, token, rank):
+            return tmp_path / token / "ckpt"
+
+        def check_target(self, target, rank):
+            both.wait()
+            seen.append("checked")
+
+        def discard(self, staged, rank):
+            pass
+
+    def orders(store, target, options):
+        both.wait()
+        seen.append("ordered")
+
+    monkeypatch.setattr(save, "_count_above_the_directory", orders)
+    target, staged, _ = save._prepare(_Store(), "s3://b/run/ckpt", OneProcess(), "Saving", None,
+                                      lambda staged: seen.append("staged"))
+    assert target == "s3://b/run/ckpt" and sorted(seen[:2]) == ["checked", "ordered"] and seen[2] == "staged"
+
+    def refused(target, rank):
+        raise FileExistsError(f"{target!r} is an existing object")
+
+    store = _Store()
+    store.check_target = refused
+    both.reset()
+    monkeypatch.setattr(save, "_count_above_the_directory", lambda *args: None)
+    with pytest.raises(FileExistsError, match="is an existing object"):  # the check's own error, as before
+        save._prepare(store, "s3://b/run/ckpt", OneProcess(), "Saving", None)
