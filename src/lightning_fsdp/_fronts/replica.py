@@ -54,9 +54,9 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
     """Join this rank's group to the others; collective over the group (every rank calls it, after sharding)."""
     optimizers, schedulers = list(optimizers), list(schedulers)
     layout = heal.layout_of(module, optimizers, schedulers)
-    limit = heal_bytes_limit(module)
-    group = ReplicaGroup(config, transport=lambda pg: HealTransport(pg, layout=layout, device=device,
-                                                                    max_bytes=limit), device=device)
+    limit, count = heal_bytes_limit(module), heal_tensors_limit(module)
+    group = ReplicaGroup(config, transport=lambda pg: HealTransport(
+        pg, layout=layout, device=device, max_bytes=limit, max_tensors=count, user_keys=(HEAL_KEY,)), device=device)
     try:
         group.install(module)
 
@@ -88,12 +88,21 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
 # has no state yet), hence a bound rather than the list.
 HEAL_FACTOR = 8
 HEAL_SLACK = 64 << 20
+# Each tensor costs the receiver memory and time even when empty (a header of 2M empty tensors took 1.5 GiB and 23 s):
+# their count is bounded alike, HEAL_FACTOR per parameter or buffer (its shard, the optimizer's state for it), and
+# HEAL_TENSOR_SLACK for the random states (torch, NumPy, one per CUDA device) and the loop's own.
+HEAL_TENSOR_SLACK = 1024
 
 
 def heal_bytes_limit(module: Module) -> int:
     """The most tensor bytes this rank accepts in one heal payload."""
     local = sum(heal.local_bytes(t) for t in [*module.parameters(), *module.buffers()])
     return HEAL_FACTOR * local + HEAL_SLACK
+
+
+def heal_tensors_limit(module: Module) -> int:
+    """The most tensors this rank accepts in one heal payload."""
+    return HEAL_FACTOR * (len(list(module.parameters())) + len(list(module.buffers()))) + HEAL_TENSOR_SLACK
 
 
 def _window_opener(group: ReplicaGroup) -> Callable[..., None]:

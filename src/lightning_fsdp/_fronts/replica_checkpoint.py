@@ -8,7 +8,7 @@ quorum at the saved step: no group is behind another, none heals, and training g
 A checkpoint without the key (saved with fault tolerance off, or before it was stored) loads with this rule: on the
 Fabric front torchft counts from step 0, as a fresh start would; on the Trainer front from the checkpoint's
 ``global_step``, which the Trainer's loop requires to equal torchft's count (``ReplicaGroup.check_step``). A value
-that is not a pair of ints >= 0 is refused before anything is applied.
+that is not a pair of ints in [0, 2**53) is refused before anything is applied.
 
 The key belongs to the strategy while fault tolerance is on: it is never handed to the caller with the rest of a
 load, and a user's state may not use it. With fault tolerance off, a user's own entry of that name is left alone;
@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from lightning_fsdp._base.errors import bad_argument
+from lightning_fsdp.engine.fault_tolerance.transport import MAX_COUNT
 
 __all__ = ["STATE_KEY", "restore_replica_state", "with_replica_state"]
 
 STATE_KEY = "fault_tolerance"
 _FIELDS = ("step", "batches_committed")
+# A checkpoint saved with fault tolerance off may hold the user's own entry of that name (allowed then).
+_HINT = ("HINT: load a checkpoint that this strategy saved; this one was altered or written by another tool, or it was"
+         f" saved with fault tolerance off and {STATE_KEY!r} is your own entry there: load it with fault tolerance off,"
+         " rename that entry and save it again")
 
 
 def with_replica_state(group: Optional[Any], state: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,8 +56,7 @@ def restore_replica_state(group: Optional[Any], remainder: dict[str, Any], path:
         # Fault tolerance off: a user's own entry of that name is theirs; only the counters a replica group saved
         # (a checkpoint of a fault-tolerant run, loaded without it) are taken out.
         saved = remainder.get(STATE_KEY)
-        if isinstance(saved, dict) and sorted(saved) == sorted(_FIELDS) \
-                and all(type(saved[k]) is int for k in _FIELDS):
+        if isinstance(saved, dict) and sorted(saved) == sorted(_FIELDS) and all(_is_count(saved[k]) for k in _FIELDS):
             remainder.pop(STATE_KEY)
         return
     saved = remainder.pop(STATE_KEY, None)
@@ -61,10 +65,9 @@ def restore_replica_state(group: Optional[Any], remainder: dict[str, Any], path:
         state = {"step": int(fallback_step), "batches_committed": 0}
     else:
         if not isinstance(saved, dict) or sorted(saved) != sorted(_FIELDS):
-            raise ValueError(
-                f"The checkpoint {str(path)!r} holds {STATE_KEY}={saved!r}, not torchft's counters. Allowed: a dict"
-                f" with exactly the keys {', '.join(map(repr, _FIELDS))}, each an int >= 0. HINT: load a checkpoint"
-                " that this strategy saved; this one was altered or written by another tool."
+            raise ValueError(  # the value cut: a user's entry can be any size
+                f"The checkpoint {str(path)!r} holds {STATE_KEY}={saved!r:.200}, not torchft's counters. Allowed: a"
+                f" dict with exactly the keys {', '.join(map(repr, _FIELDS))}, each an int >= 0 and < 2**53. {_HINT}"
             )
         for name in _FIELDS:
             _check_count(path, f"{STATE_KEY}[{name!r}]", saved[name])
@@ -72,9 +75,12 @@ def restore_replica_state(group: Optional[Any], remainder: dict[str, Any], path:
     group.load_state_dict(state)
 
 
+def _is_count(value: Any) -> bool:
+    # Bounded as the heal transport bounds torchft's counters: far above any run, exact in every JSON reader.
+    return type(value) is int and 0 <= value < MAX_COUNT
+
+
 def _check_count(path: Union[str, Path], what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"The checkpoint {str(path)!r} holds {what} = {value!r}. Allowed: an int >= 0. HINT: load a checkpoint"
-            " that this strategy saved; this one was altered or written by another tool."
-        )
+    if not _is_count(value):
+        raise ValueError(f"The checkpoint {str(path)!r} holds {what} = {value!r:.200}. Allowed: an int >= 0 and"
+                         f" < 2**53. {_HINT}")

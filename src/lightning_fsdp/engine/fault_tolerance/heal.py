@@ -233,20 +233,59 @@ def local_bytes(t: torch.Tensor) -> int:
 
 
 def check_rng_state(state: Any) -> None:
-    """Refuse random states that :func:`restore_rng_state` could not apply whole (checked before a heal changes
-    anything): the torch state must be a byte tensor of this build's size, Python's a version, 625 ints and a
-    gauss value."""
-    ok = type(state) is dict and set(state) <= {"torch", "python", "cuda", "numpy"} and set(state) >= {"torch", "python"}
-    if ok:
-        torch_state, python = state["torch"], state["python"]
-        ok = isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8 \
-            and torch_state.shape == torch.get_rng_state().shape
-        ok = ok and isinstance(python, (list, tuple)) and len(python) == 3 and isinstance(python[0], int) \
-            and isinstance(python[1], (list, tuple)) and len(python[1]) == 625 \
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in python[1]) \
-            and (python[2] is None or isinstance(python[2], float))
-    if not ok:
-        raise _mismatch("the random states", "torch's and Python's generator states", state)
+    """Refuse random states that :func:`restore_rng_state` could not apply whole, before a heal changes anything.
+    torch's (CPU and CUDA) and Python's are each first set on a generator of their own, which checks what their
+    restore checks; NumPy's fields are checked here, since its ``set_state`` takes a position past its 624 keys
+    unchecked and then reads past them."""
+    problem = _rng_problem(state)
+    if problem is not None:
+        raise _mismatch(f"the random states ({problem})", "torch's and Python's generator states, and NumPy's and"
+                        " CUDA's as rng_state() takes them", state)
+
+
+def _rng_problem(state: Any) -> Optional[str]:
+    if type(state) is not dict or not {"torch", "python"} <= set(state) <= {"torch", "python", "cuda", "numpy"}:
+        return "not a dict of `torch`, `python`, and optionally `cuda` and `numpy`"
+    if not _cpu_tensor(state["torch"], torch.uint8) or _unsettable(torch.Generator(), state["torch"]):
+        return "torch's is not a CPU generator state of this build"
+    python = state["python"]
+    if type(python) not in (list, tuple) or len(python) != 3 or type(python[1]) not in (list, tuple) \
+            or not all(type(v) is int and 0 <= v < 2**32 for v in python[1]) \
+            or (python[2] is not None and type(python[2]) is not float):
+        return "Python's is not (version, 625 ints in [0, 2**32), None or a float)"
+    try:
+        random.Random().setstate((python[0], tuple(python[1]), python[2]))
+    except (ValueError, TypeError) as err:  # another version, another length, a position past the state
+        return f"Python's: {err}"
+    numpy = state.get("numpy")
+    if "numpy" in state and not (
+            type(numpy) in (list, tuple) and len(numpy) == 5 and type(numpy[0]) is str and numpy[0] == "MT19937"
+            and _cpu_tensor(numpy[1], torch.int64) and numpy[1].shape == (624,)
+            and bool(((numpy[1] >= 0) & (numpy[1] < 2**32)).all()) and type(numpy[2]) is int and 0 <= numpy[2] <= 624
+            and type(numpy[3]) is int and numpy[3] in (0, 1) and type(numpy[4]) is float):
+        return "NumPy's is not ('MT19937', 624 keys in [0, 2**32), a position in [0, 624], 0 or 1, a float)"
+    if "cuda" in state:
+        cuda, devices = state["cuda"], torch.cuda.device_count()
+        if type(cuda) not in (list, tuple) or len(cuda) != devices \
+                or not all(_cpu_tensor(s, torch.uint8) for s in cuda):
+            return f"CUDA's is not a list of {devices} CPU uint8 tensors, one per CUDA device of this rank"
+        # Without CUDA initialized here (nothing of this rank on a GPU), a restore is deferred to its first use.
+        if torch.cuda.is_initialized() \
+                and any(_unsettable(torch.Generator(f"cuda:{i}"), s) for i, s in enumerate(cuda)):
+            return "CUDA's are not CUDA generator states of this build"
+    return None
+
+
+def _cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
+    return type(value) is torch.Tensor and value.dtype == dtype and value.device.type == "cpu" and value.dim() == 1
+
+
+def _unsettable(generator: torch.Generator, state: torch.Tensor) -> bool:
+    try:
+        generator.set_state(state)
+    except (RuntimeError, TypeError, ValueError):  # "RNG state is wrong size", "Invalid mt19937 state"
+        return True
+    return False
 
 
 def rng_state() -> dict:

@@ -27,9 +27,11 @@ import json
 import re
 import struct
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+
+from lightning_fsdp.engine.fault_tolerance.wire_checks import layout_difference, manager_tree_problem
 
 FORMAT = "lightning-fsdp-heal/1"
 MAX_HEADER_BYTES = 64 << 20  # a header holds no tensor bytes: 64 MiB is ~1M tensors' worth of specs
@@ -37,6 +39,10 @@ MAX_DEPTH = 64  # state dicts nest a few levels; the bound keeps a hostile heade
 SMALL = 64 << 10
 PACK = 1 << 20
 ALIGN = 16  # every dtype's itemsize divides it, so a packed tensor can be a view of its pack
+# torch computes an empty tensor's strides over its other dims (int64): a shape with a 0 next to dims spanning more
+# bytes than this is refused, not allocated ("Stride calculation overflowed", or an int that does not fit).
+MAX_SPAN = 1 << 62
+MAX_COUNT = 1 << 53  # torchft's counters: far above any run, and exact in every JSON reader
 
 # The dtypes a receiver will allocate. Named as torch prints them, without "torch.".
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -190,9 +196,11 @@ def encode(tree: Any, *, step: int, layout: Any) -> tuple[bytes, list[torch.Tens
 # ---- decoding -------------------------------------------------------------------------------------------------
 
 
-def parse_header(raw: bytes, *, step: int, layout: Any, max_bytes: Optional[int] = None) -> Header:
+def parse_header(raw: bytes, *, step: int, layout: Any, max_bytes: Optional[int] = None,
+                 max_tensors: Optional[int] = None) -> Header:
     """Check every field of a received header before anything is allocated from it; any fault is one
-    :class:`PayloadError` (a :class:`LayoutMismatch` for another layout) saying what is wrong."""
+    :class:`PayloadError` (a :class:`LayoutMismatch` for another layout) saying what is wrong. ``max_bytes`` bounds
+    the tensor bytes, ``max_tensors`` their count (each costs memory even when empty)."""
     if len(raw) > MAX_HEADER_BYTES:
         raise PayloadError(_hint(f"heal header of {len(raw)} bytes, over the {MAX_HEADER_BYTES} accepted"))
     try:
@@ -213,7 +221,7 @@ def parse_header(raw: bytes, *, step: int, layout: Any, max_bytes: Optional[int]
         same = False
     if not same:
         raise LayoutMismatch(layout_difference(layout, head["layout"]))
-    specs = _specs(head["tensors"], max_bytes)
+    specs = _specs(head["tensors"], max_bytes, max_tensors)
     used = [False] * len(specs)
     _check_node(head["tree"], used, 0)
     if not all(used):
@@ -221,9 +229,12 @@ def parse_header(raw: bytes, *, step: int, layout: Any, max_bytes: Optional[int]
     return Header(step, head["layout"], specs, head["tree"])
 
 
-def _specs(items: Any, max_bytes: Optional[int]) -> list[Spec]:
+def _specs(items: Any, max_bytes: Optional[int], max_tensors: Optional[int]) -> list[Spec]:
     if type(items) is not list:
         raise PayloadError(_hint("heal header's `tensors` is not a list"))
+    if max_tensors is not None and len(items) > max_tensors:
+        raise PayloadError(_hint(f"heal header lists {len(items)} tensors, over the {max_tensors} this receiver"
+                                 " allows"), TOO_LARGE)
     specs, total = [], 0
     for i, item in enumerate(items):
         ok = type(item) is list and len(item) == 4 and type(item[0]) is str and type(item[1]) is list \
@@ -233,9 +244,12 @@ def _specs(items: Any, max_bytes: Optional[int]) -> list[Spec]:
             raise PayloadError(_hint(f"heal header's tensor {i} is not [dtype, shape, nbytes, host] with a dtype of"
                                      f" {', '.join(DTYPES)}: {item!r:.200}"))
         dtype = DTYPES[item[0]]
-        numel = 1
+        numel, span = 1, dtype.itemsize
         for n in item[1]:
-            numel *= n
+            numel, span = numel * n, span * max(n, 1)
+        if span > MAX_SPAN:
+            raise PayloadError(_hint(f"heal header's tensor {i} has the shape {item[1]!r:.200}, whose dims span over"
+                                     f" {MAX_SPAN} bytes of {item[0]}"))
         if item[2] != numel * dtype.itemsize:
             raise PayloadError(_hint(f"heal header's tensor {i} claims {item[2]} bytes for {item[0]} of shape"
                                      f" {item[1]} ({numel * dtype.itemsize} bytes)"))
@@ -293,24 +307,6 @@ def build(header: Header, tensors: Sequence[torch.Tensor]) -> Any:
         return items if form == "l" else tuple(items)
 
     return make(header.tree)
-
-
-def layout_difference(ours: Any, theirs: Any) -> str:
-    """What differs between two layouts (``{"digest", "entries"}`` as heal.layout_of makes, or any JSON), for the
-    error: the first entry that differs, shown from both sides."""
-    if type(ours) is dict and type(theirs) is dict and type(ours.get("entries")) is list \
-            and type(theirs.get("entries")) is list:
-        a, b = ours["entries"], theirs["entries"]
-        for i in range(max(len(a), len(b))):
-            here = a[i] if i < len(a) else "(nothing)"
-            there = b[i] if i < len(b) else "(nothing)"
-            if here != there:
-                where = f"entry {i} of {len(a)} here and {len(b)} in the sender"
-                return (f"The heal payload was made for another layout ({where}): here {here!r:.300}, in the sender"
-                        f" {there!r:.300}. HINT: a replica group heals only from a group of the same size, model,"
-                        " sharding, optimizers and LR schedulers; start every group with the same settings")
-    return (f"The heal payload was made for another layout: here {ours!r:.300}, in the sender {theirs!r:.300}. HINT:"
-            " start every replica group with the same settings")
 
 
 # ---- the wire -------------------------------------------------------------------------------------------------
@@ -389,9 +385,11 @@ def send(pg, dst: int, header: bytes, tensors: Sequence[torch.Tensor], *, device
 
 
 def receive(pg, src: int, *, step: int, layout: Any, device: torch.device = torch.device("cpu"),
-            timeout: Optional[timedelta] = None, max_bytes: Optional[int] = None) -> tuple[Any, int]:
-    """Receive one payload from rank ``src`` of ``pg``: (its tree, the bytes received). The header is checked before
-    anything is allocated from it; a refused header is answered with the reason, then raised here."""
+            timeout: Optional[timedelta] = None, max_bytes: Optional[int] = None, max_tensors: Optional[int] = None,
+            check: Optional[Callable[[Header], None]] = None) -> tuple[Any, int]:
+    """Receive one payload from rank ``src`` of ``pg``: (its tree, the bytes received). The header is checked (and
+    given to ``check``, which raises :class:`PayloadError`) before anything is allocated from it; a refused header is
+    answered with the reason, then raised here."""
     length = torch.zeros(1, dtype=torch.int64, device=device)
     _wait(pg.recv([length], src, _LENGTH), timeout, f"waited for the heal header's length from rank {src}")
     size = int(length.item())
@@ -402,7 +400,10 @@ def receive(pg, src: int, *, step: int, layout: Any, device: torch.device = torc
     raw = torch.empty(size, dtype=torch.uint8, device=device)
     _wait(pg.recv([raw], src, _HEADER), timeout, f"received the heal header from rank {src}")
     try:
-        header = parse_header(raw.cpu().numpy().tobytes(), step=step, layout=layout, max_bytes=max_bytes)
+        header = parse_header(raw.cpu().numpy().tobytes(), step=step, layout=layout, max_bytes=max_bytes,
+                              max_tensors=max_tensors)
+        if check is not None:
+            check(header)
     except PayloadError as err:
         _refuse(pg, src, err.code, device, timeout)
         raise
@@ -448,11 +449,13 @@ class HealTransport:
     ``disallow_checkpoint``, ``shutdown``) over :func:`send` and :func:`receive` on ``pg``, the Manager's own
     cross-group process group (which it reconfigures every quorum; this object keeps the reference). The Manager
     only calls these methods, so no torchft import is needed. ``layout`` is this rank's (heal.layout_of): a payload
-    of another layout is refused before any tensor byte moves."""
+    of another layout, or whose tree is not torchft's (wire_checks.manager_tree_problem; ``user_keys`` the keys the
+    group registers), is refused before any tensor byte moves."""
 
-    def __init__(self, pg, *, layout: Any, device: torch.device = torch.device("cpu"),
-                 max_bytes: Optional[int] = None) -> None:
+    def __init__(self, pg, *, layout: Any, device: torch.device = torch.device("cpu"), max_bytes: Optional[int] = None,
+                 max_tensors: Optional[int] = None, user_keys: Optional[Sequence[str]] = None) -> None:
         self.pg, self.layout, self.device, self.max_bytes = pg, layout, torch.device(device), max_bytes
+        self.max_tensors, self.user_keys = max_tensors, user_keys
         self.bytes_sent = self.bytes_received = 0
 
     def metadata(self) -> str:
@@ -473,8 +476,13 @@ class HealTransport:
         if metadata != FORMAT:
             raise PayloadError(_hint(f"the sending group offers heal payloads of format {metadata!r:.80}; this group"
                                      f" reads {FORMAT!r}"))
+        def check(header: Header) -> None:
+            problem = manager_tree_problem(header.tree, step, self.user_keys, MAX_COUNT)
+            if problem is not None:
+                raise PayloadError(_hint(f"heal payload from rank {src_rank}: {problem}"))
+
         tree, received = receive(self.pg, src_rank, step=step, layout=self.layout, device=self.device,
-                                 timeout=timeout, max_bytes=self.max_bytes)
+                                 timeout=timeout, max_bytes=self.max_bytes, max_tensors=self.max_tensors, check=check)
         self.bytes_received += received
         return tree
 
