@@ -184,9 +184,9 @@ def test_a_second_fit_wraps_the_loaders_own_sampler_again_not_the_cursor():
     position = LoopPosition(None)
     loader = _loader()
     inner = loader.batch_sampler.sampler
-    position.wrap_training_loader(loader)
-    position.wrap_training_loader(loader)
-    assert loader.batch_sampler.sampler is position.sampler and position.sampler.sampler is inner
+    wrapped = position.wrap_training_loader(position.wrap_training_loader(loader))
+    assert wrapped.batch_sampler.sampler is position.sampler and position.sampler.sampler is inner
+    assert loader.batch_sampler.sampler is inner  # the fit reads a copy; the user's loader is left as it is
 
 
 # Review of this session's diff (2026-11-29): the fixes below each failed on the code before them.
@@ -249,9 +249,9 @@ def test_the_users_loader_gets_its_own_sampler_back_after_the_fit():
     seen = []
 
     def fit_loop_run(self):  # the fit: the strategy wraps the loader, then the loop stops mid-epoch
-        position.wrap_training_loader(loader)
+        wrapped = position.wrap_training_loader(loader)
         position.sampler.seek(0, 4)
-        seen.append(loader.batch_sampler.sampler is position.sampler)
+        seen.append(wrapped.batch_sampler.sampler is position.sampler and loader.batch_sampler.sampler is inner)
 
     finished = SimpleNamespace(max_steps=1, max_epochs=-1, epoch_loop=SimpleNamespace(global_step=1))
     finished.trainer = SimpleNamespace(strategy=SimpleNamespace(_loop_position=position,

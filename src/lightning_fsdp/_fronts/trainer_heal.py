@@ -28,12 +28,16 @@ once more when a validation was due: it was tried, and differs from the live gro
 A stateful loader's own state (``combined_loader``) is not sent; the data position below is the one that moves.
 
 **The data.** Lightning cannot resume a plain map-style loader mid-epoch: it starts the epoch's iterator from the
-beginning and would train on batches ``0..`` at batch index ``k``. So the training loader's sampler is wrapped in a
-:class:`~lightning_fsdp.engine.fault_tolerance.data.CursorSampler` on the strategy's cursor
-(:meth:`LoopPosition.wrap_training_loader`, from ``FSDPStrategy.process_dataloader``), and a heal seeks it to sample
-``k * batch_size`` of epoch ``e`` before the fit loop's first fetch: the healed group's next batch is the live
-groups' next batch. Refused at setup: a training loader without torch's ``BatchSampler`` over a sampler with a
-length (an ``IterableDataset``, a custom batch sampler), which no cursor can position.
+beginning and would train on batches ``0..`` at batch index ``k``. So the fit trains from a copy of the training
+loader whose sampler is a :class:`~lightning_fsdp.engine.fault_tolerance.data.CursorSampler` on the strategy's cursor
+over the loader's own sampler (:meth:`LoopPosition.wrap_training_loader`, from ``FSDPStrategy.process_dataloader``),
+and a heal seeks it to sample ``k * batch_size`` of epoch ``e`` (at most the share's end) before the fit loop's first
+fetch: the healed group's next batch is the live groups' next batch. The user's loader object is left as it is, so a
+validation loop given the same object reads its own sampler, not the cursor. Refused at setup, each because a cursor
+position would name other samples on a healed group: a training loader without torch's ``BatchSampler`` over a
+sampler with a length (an ``IterableDataset``, a custom batch sampler); a sampler whose order is not fixed by the
+epoch alone (``RandomSampler``, seeded or not: its order at a heal depends on its generator's past draws); and, at
+the first batch, more than one training loader (each would read through the one cursor).
 
 **A live group that fell a step behind** (its vote failed where the others' committed) heals at its next window's vote,
 inside the loop, as torchft does. Its batch position is already the others' (every group consumes every window's
@@ -42,6 +46,7 @@ batches), which is checked; only its optimizer-step count moves to the sender's 
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Mapping, Sized
 from typing import Any, Callable, Optional
@@ -52,15 +57,16 @@ from lightning_fsdp._base.compat import TRAINER_FIT_RUN, trainer_fit_loop
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._fronts.patching import wrap_once
 from lightning_fsdp.engine.fault_tolerance.config import FaultToleranceError
-from lightning_fsdp.engine.fault_tolerance.data import CursorSampler, DataCursor
+from lightning_fsdp.engine.fault_tolerance.data import CursorSampler, DataCursor, order_fixed_by_epoch
 
 __all__ = ["LoopPosition", "apply_heal_now", "register"]
 
 _BATCHES = "epoch_loop.batch_progress"
 _EPOCHS = "epoch_progress"
 _STEPS = "epoch_loop.automatic_optimization.optim_progress"
-# Lightning warns on a mid-epoch resume of a loader that is not `_Stateful`; after a heal the cursor positions it.
 _MOST_COUNT = 2**53  # above any real count of batches, steps or epochs; a peer's value beyond it is refused
+# Lightning warns on a mid-epoch resume of a loader that is not `_Stateful`. After a heal the cursor positions the
+# loader, whose sampler was checked to draw the same order on every group: the warning's concern does not apply.
 _NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
@@ -77,19 +83,17 @@ class LoopPosition:
         self._running = False
         self._pending_batches: Optional[int] = None  # the heal's batch index, applied once the loader is wrapped
         self._align_steps: Optional[dict] = None
-        self._wrapped: list[tuple[Any, Any]] = []  # (batch sampler, the user's sampler) to put back after a fit
 
-    def unwrap_training_loaders(self) -> None:
-        """Give the user's loaders their own samplers back (the fit ended): iterated again, they start an epoch."""
-        while self._wrapped:
-            batch_sampler, inner = self._wrapped.pop()
-            batch_sampler.sampler = inner
+    def release_training_loader(self) -> None:
+        """The fit ended: its loader copy is dropped; the next fit wraps its own loader again."""
         self.sampler = None
 
     # --- the sender ------------------------------------------------------------------------------------------------
 
     def snapshot(self, at_batch_start: bool) -> None:
         """Take the loop state a heal of this window would send (main thread, before the window's quorum starts)."""
+        if at_batch_start:  # the training loaders are set up by now (also after a reload of them)
+            self._refuse_several_training_loaders()
         state = self.trainer.fit_loop.state_dict()
         own = state.get("state_dict")
         if isinstance(own, dict):
@@ -100,6 +104,22 @@ class LoopPosition:
 
     def produce(self) -> Any:
         return self._snapshot
+
+    def _refuse_several_training_loaders(self) -> None:
+        """Several training loaders (Lightning's ``CombinedLoader``) would each read through the one cursor: each
+        would take every other position of its data, its batches paired with the wrong ones of the other, and the
+        epoch would end at half its length. A cursor per loader is not sent in a heal: refused."""
+        combined = getattr(self.trainer.fit_loop, "_combined_loader", None)
+        loaders = combined.flattened if combined is not None else []
+        if len(loaders) > 1:
+            raise ValueError(bad_argument(
+                "train_dataloaders", f"{type(combined.iterables).__name__} of {len(loaders)} DataLoaders",
+                "one training DataLoader under fault_tolerance",
+                "Train from one DataLoader: join the datasets in one Dataset (torch's ConcatDataset, or a Dataset"
+                " that returns a pair per index), or turn fault_tolerance off.",
+                problem="Every training loader would read through the one data position a heal moves, each reading"
+                        " only part of its data, in batches paired with the wrong ones",
+            ))
 
     # --- the healer ------------------------------------------------------------------------------------------------
 
@@ -154,7 +174,9 @@ class LoopPosition:
     # --- the data ----------------------------------------------------------------------------------------------------
 
     def wrap_training_loader(self, dataloader: Any) -> Any:
-        """Put the cursor under the training loader's batches (its ``BatchSampler``'s sampler, in place)."""
+        """A copy of the training loader that reads its batches through the cursor (its ``BatchSampler``'s sampler
+        wrapped in a :class:`CursorSampler`). The user's object is not changed: another loop that iterates it (the
+        same loader given for validation) must not read through, or move, the training cursor."""
         batch_sampler = getattr(dataloader, "batch_sampler", None)
         inner = getattr(batch_sampler, "sampler", None)
         if type(batch_sampler) is not BatchSampler or not isinstance(inner, Sized):
@@ -169,19 +191,32 @@ class LoopPosition:
                 problem="A healed group must start at the live groups' batch, and only a sampler of indices can be"
                         " positioned there",
             ))
-        if isinstance(inner, CursorSampler):  # a loader this strategy wrapped before (a second fit)
+        if isinstance(inner, CursorSampler):  # the user's own (`fault_tolerant_sampler`): read through ours instead
             inner = inner.sampler
+        if not order_fixed_by_epoch(inner):
+            raise ValueError(bad_argument(
+                "train_dataloaders", f"{type(dataloader).__name__}(sampler={_sampler_name(inner)})",
+                "a training sampler whose order depends only on the epoch: SequentialSampler, DistributedSampler"
+                " (Lightning injects one when `use_distributed_sampler=True`), or Lightning's"
+                " DistributedSamplerWrapper over one of these",
+                "use DistributedSampler(dataset, shuffle=True, seed=...) for a shuffled order (or"
+                " `DataLoader(shuffle=True)` and let the Trainer inject it), or turn fault_tolerance off.",
+                problem="A healed group draws this sampler's order at the heal, from a random generator in another"
+                        " state than the live groups' one: it would train on other samples than theirs",
+            ))
         self.sampler = CursorSampler(inner, self.cursor)
-        batch_sampler.sampler = self.sampler
-        self._wrapped.append((batch_sampler, inner))  # put back after the fit: the loader is the user's object
         self.batch_size = batch_sampler.batch_size
         if self._pending_batches is not None:
             self._seek()
-        return dataloader
+        return _copy_reading_from(dataloader, BatchSampler(self.sampler, batch_sampler.batch_size,
+                                                           batch_sampler.drop_last))
 
     def _seek(self) -> None:
         assert self.sampler is not None and self._pending_batches is not None
-        self.sampler.seek(self.cursor.epoch, self._pending_batches * self.batch_size)
+        # Batch `k`'s first sample, but never past the share's end: after an epoch's last, short, batch `k` batches
+        # hold fewer samples than `k * batch_size`, and the excess would be carried into the next epoch's positions.
+        position = min(self._pending_batches * self.batch_size, len(self.sampler))
+        self.sampler.seek(self.cursor.epoch, position)
         self._pending_batches = None
 
 
@@ -231,9 +266,23 @@ def _first_window_before_the_loop(original: Callable[..., None]) -> Callable[...
                 return original(self)
         finally:
             position._running = False
-            position.unwrap_training_loaders()
+            position.release_training_loader()
 
     return run
+
+
+def _copy_reading_from(dataloader: Any, batch_sampler: BatchSampler) -> Any:
+    """A shallow copy of ``dataloader`` that reads its batches from ``batch_sampler``: same dataset, workers and
+    collate function, its own samplers, and no persistent worker iterator of the original's."""
+    twin = copy.copy(dataloader)
+    # A built DataLoader refuses new samplers through its `__setattr__`; the copy's attributes are its own to set.
+    vars(twin).update(batch_sampler=batch_sampler, sampler=batch_sampler.sampler, _iterator=None)
+    return twin
+
+
+def _sampler_name(sampler: Any) -> str:
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+    return f"{type(sampler).__name__}({_sampler_name(inner)})" if inner is not None else type(sampler).__name__
 
 
 def _finished(fit_loop: Any) -> bool:

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, Optional
 
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler, SequentialSampler
 
 from lightning_fsdp._base.errors import bad_argument
 
-__all__ = ["CursorSampler", "DataCursor", "fault_tolerant_sampler", "replica_sampler_kwargs"]
+__all__ = ["CursorSampler", "DataCursor", "fault_tolerant_sampler", "order_fixed_by_epoch", "replica_sampler_kwargs"]
 
 
 class DataCursor:
@@ -151,6 +151,30 @@ class CursorSampler(Sampler[int]):
             self._order = list(iter(self.sampler))
             self._order_epoch = epoch
         return self._order
+
+
+def order_fixed_by_epoch(sampler: Any) -> bool:
+    """Whether ``sampler``'s order is a function of the epoch alone (its ``set_epoch``), the same on every group
+    and whenever it is drawn. A cursor position names the same samples in two groups only then: a random sampler's
+    order also depends on its generator's state, which differs between a live group and one that heals mid-epoch.
+
+    Accepted: ``SequentialSampler``, ``DistributedSampler`` (its order is ``seed`` and ``epoch``; torchft's is one),
+    Lightning's ``DistributedSamplerWrapper`` over an accepted sampler, and a :class:`CursorSampler` over one.
+    A subclass that replaces ``__iter__`` draws its own order and is not accepted."""
+    if isinstance(sampler, CursorSampler):
+        return order_fixed_by_epoch(sampler.sampler)
+    if isinstance(sampler, SequentialSampler):
+        return type(sampler).__iter__ is SequentialSampler.__iter__
+    if not isinstance(sampler, DistributedSampler):
+        return False
+    if type(sampler).__iter__ is DistributedSampler.__iter__:
+        return True
+    # Lightning wraps a custom sampler so each rank reads a share of its order: the order is the wrapped sampler's.
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    if type(sampler).__iter__ is not DistributedSamplerWrapper.__iter__:
+        return False
+    return order_fixed_by_epoch(getattr(sampler.dataset, "_sampler", None))
 
 
 def fault_tolerant_sampler(
