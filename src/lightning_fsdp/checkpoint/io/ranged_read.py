@@ -1,16 +1,17 @@
 """The GET side of a streaming load (issue 43): byte ranges of committed objects, fetched straight into memory.
 
 A reader hands :func:`fetch` its *needs*: ``(object name, start, end, consume)``, each a byte range it wants and the
-function that takes the bytes (a ``memoryview`` of exactly ``end - start`` bytes, on the calling thread, in the
-order of the needs sorted by object and offset). Here they become requests:
+function that takes the bytes (a ``memoryview`` of exactly ``end - start`` bytes, on the calling thread, in order
+of offset within each object, the objects the rank reads least of first). Here they become requests:
 
 - **Coalesced** per object: a need joins the request before it when the gap between them is at most
   ``min(256 KiB, 1/16 of the merged range)`` (the gap's bytes are fetched and dropped: one request costs more than
   that) and the merged request stays within ``range_size``; a need longer than ``range_size`` is split.
-- **A window** of ``ranges_in_flight`` requests runs on worker threads while the calling thread consumes the
-  earliest one that finished in order; the next request starts only as one is consumed, so the buffers held are at
-  most ``ranges_in_flight * range_size``, plus one need being assembled across requests (an item longer than a
-  request). Small requests may run up to ``SMALL_REQUESTS`` times as many at once, within the same bytes.
+- **A window** of ``ranges_in_flight`` requests runs on worker threads while the calling thread consumes them in
+  order; the next request starts as one ends, while its body fits in the window's bytes, so the buffers held are at
+  most ``ranges_in_flight * range_size`` (bodies in flight or not yet consumed), plus one need being assembled
+  across requests (an item longer than a request). Small requests may run up to ``SMALL_REQUESTS`` times as many at
+  once, within the same bytes.
 - **One mapping for every body** (:class:`_Bodies`): the bodies are read into one anonymous mapping of the
   window's bytes, made for the fetch (each body in the lowest free region that fits it, given back in request
   order) and unmapped at its end. A body allocated per request on its worker thread came from that thread's malloc
@@ -217,12 +218,25 @@ class Fetch:
         window = ranges_in_flight or settings.ranges_in_flight
         size = range_size or settings.range_size
         self.spans = sorted(spans)
+        # The objects a rank reads least of go first: their requests are small and mostly round trips (rank 0 of
+        # benchmarks/object_storage.py reads ~100 replicated scalars of 1.5 KB from the other rank's objects), which
+        # then run while the load is still planning, not after the bulk of the bytes (0.1 s more for rank 0 there).
+        wanted: dict[str, int] = {}
+        for name, start, end in self.spans:
+            wanted[name] = wanted.get(name, 0) + end - start
+        self.order = {name: rank for rank, name in enumerate(sorted(wanted, key=lambda n: (wanted[n], n)))}
         requests: list[tuple[str, int, int]] = []
-        for name in dict.fromkeys(n[0] for n in self.spans):
+        for name in self.order:
             requests += [(name, s, e) for s, e in coalesce(((n[1], n[2]) for n in self.spans if n[0] == name), size)]
         self.following = deque(requests)
         self.futures: deque = deque()
         self.fetcher = _Fetcher(source)
+        # Requests start from the calling thread and, as one ends, from its worker (a body that came in is not
+        # waiting to be consumed in flight): one lock over the queue, the mapping and the count running. Each runs
+        # in a copy of the caller's context (taken here: a worker's own is not the load's).
+        self.lock = threading.RLock()
+        self.context = contextvars.copy_context()
+        self.running, self.starting = 0, False
         # The window is one of bytes: at most `window` requests, or more small ones (up to SMALL_REQUESTS times as
         # many) while the bytes they ask for stay within `window * size`; so the bodies alive are at most window *
         # size bytes either way. Small requests are mostly round trips (rank 0 of benchmarks/object_storage.py reads
@@ -233,42 +247,58 @@ class Fetch:
         # is not asked of the kernel for a load of a few MiB.
         self.bodies = _Bodies(min(window * size, sum(e - s for _, s, e in requests) + _ALIGN * len(requests))
                               + _ALIGN) if requests else None
-        self._start_more()
+        with self.lock:
+            self._start_more()
 
     def _start_more(self) -> None:
-        # The mapping holds the window's bytes: a request starts when its body fits there (and while fewer than
-        # `most` run), so the bodies alive stay within window * size whatever their sizes. Each request runs in a
-        # copy of the caller's context: its retries spend the caller's one budget (remote_errors.one_budget, opened by
-        # the load) instead of a fresh bound per pool thread, so an outage fails the load within
-        # LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
-        while self.following and len(self.futures) < self.most:
-            name, start, end = self.following[0]
-            into = self.bodies.take(start, end - start)
-            if into is None:
-                return
-            self.following.popleft()
-            body = [into]  # emptied where the request is cancelled before it starts: its task then holds no body
-            self.futures.append(((name, start, end), body, _WORKERS.submit(contextvars.copy_context().run, _get,
-                                                                           self.fetcher, name, start, end, body)))
+        # Under self.lock. The mapping holds the window's bytes: a request starts when its body fits there (and while
+        # fewer than `most` run), so the bodies alive stay within window * size whatever their sizes. Each request
+        # runs in a copy of the caller's context: its retries spend the caller's one budget
+        # (remote_errors.one_budget, opened by the load) instead of a fresh bound per worker, so an outage fails the
+        # load within LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
+        self.starting = True
+        try:
+            while self.following and self.running < self.most:
+                name, start, end = self.following[0]
+                into = self.bodies.take(start, end - start)
+                if into is None:
+                    return
+                self.following.popleft()
+                body = [into]  # emptied where the request is cancelled before it starts: its task holds no body then
+                future = _WORKERS.submit(self.context.copy().run, _get, self.fetcher, name, start, end, body)
+                self.running += 1
+                self.futures.append(((name, start, end), body, future))
+                future.add_done_callback(self._ended)  # at once where it already ended: then starting holds
+        finally:
+            self.starting = False
+
+    def _ended(self, future: concurrent.futures.Future) -> None:
+        with self.lock:
+            self.running -= 1
+            if not self.starting:  # else this thread is inside _start_more, whose loop goes on
+                self._start_more()
 
     def serve(self, needs: list[Need]) -> None:
         """Hand each need's bytes to its ``consume`` (the needs of the spans given at the start), then end."""
-        needs = sorted(needs, key=lambda n: (n[0], n[1], n[2]))
-        if [n[:3] for n in needs] != self.spans:
+        if sorted(n[:3] for n in needs) != self.spans:
             self.cancel()
             raise RuntimeError("internal error: a fetch served needs other than those it was started for; please"
                                " report it")
-        pending = _Pending(needs)
+        pending = _Pending(sorted(needs, key=lambda n: (self.order[n[0]], n[1], n[2])), self.order)
         assembling: dict[int, tuple[bytearray, list[int]]] = {}  # index in pending.needs -> (buffer, [bytes filled])
         try:
-            while self.futures:
-                (name, start, end), held, future = self.futures.popleft()
+            while True:
+                with self.lock:
+                    if not self.futures:  # then none is left to start either: one always starts in an empty mapping
+                        break
+                    (name, start, end), held, future = self.futures.popleft()
                 future.result()
                 body = held.pop()
                 _serve(name, start, end, body, pending, assembling)
                 del body  # consumers copy what they keep: the region is the next request's
-                self.bodies.give_back()
-                self._start_more()
+                with self.lock:
+                    self.bodies.give_back()
+                    self._start_more()
         finally:
             self.cancel()
         if pending.left:  # cannot happen: every need lies in the requests made for it
@@ -276,15 +306,16 @@ class Fetch:
 
     def cancel(self) -> None:
         """Send no more requests, wait for those in flight, give the memory back (again: nothing)."""
-        self.following.clear()
         running = []
-        while self.futures:
-            _, held, future = self.futures.popleft()
-            if future.cancel():
-                held.clear()  # its task, still queued, holds the list: the body goes now
-            else:
-                running.append(future)
-            del held, future
+        with self.lock:
+            self.following.clear()
+            while self.futures:
+                _, held, future = self.futures.popleft()
+                if future.cancel():
+                    held.clear()  # its task, still queued, holds the list: the body goes now
+                else:
+                    running.append(future)
+                del held, future
         concurrent.futures.wait(running)  # a worker lets go of its task (and body) before its future is done
         if self.bodies is not None:
             self.bodies.close()  # no request writes into it any more
@@ -392,8 +423,8 @@ class _Pending:
     onwards, so the scan starts at ``head`` (moved past every served need) instead of copying and searching a list
     of every need per request: that was quadratic in the needs (a checkpoint of many small items)."""
 
-    def __init__(self, needs: list) -> None:
-        self.needs = needs
+    def __init__(self, needs: list, order: dict[str, int]) -> None:
+        self.needs, self.order = needs, order  # order: the objects' ranks, as the requests go
         self.served = [False] * len(needs)
         self.head = 0
         self.left = len(needs)
@@ -413,8 +444,8 @@ def _serve(name: str, start: int, end: int, body: memoryview, pending: _Pending,
             continue
         need = pending.needs[index]
         need_name, need_start, need_end, consume = need
-        if need_name != name:  # the needs are sorted by (object, start), as the requests are
-            if need_name > name:
+        if need_name != name:  # the needs are sorted by (object, start), objects in the requests' order
+            if pending.order[need_name] > pending.order[name]:
                 break
             continue
         if need_start >= end:
