@@ -273,10 +273,11 @@ def _first_window_before_the_loop(original: Callable[..., None]) -> Callable[...
 
 def _copy_reading_from(dataloader: Any, batch_sampler: BatchSampler) -> Any:
     """A shallow copy of ``dataloader`` that reads its batches from ``batch_sampler``: same dataset, workers and
-    collate function, its own samplers, and no persistent worker iterator of the original's."""
+    collate function, and no persistent worker iterator of the original's. Its ``sampler`` stays the user's, as
+    ``trainer.train_dataloader.sampler`` showed it before (Lightning's ``set_epoch`` reaches both)."""
     twin = copy.copy(dataloader)
-    # A built DataLoader refuses new samplers through its `__setattr__`; the copy's attributes are its own to set.
-    vars(twin).update(batch_sampler=batch_sampler, sampler=batch_sampler.sampler, _iterator=None)
+    # A built DataLoader refuses a new batch sampler through its `__setattr__`; the copy's attributes are its own.
+    vars(twin).update(batch_sampler=batch_sampler, _iterator=None)
     return twin
 
 
