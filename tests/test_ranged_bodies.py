@@ -289,3 +289,57 @@ def test_the_request_threads_outlive_a_fetch_and_serve_the_next(tmp_path, monkey
         alive += [t for t in threading.enumerate() if t.name.startswith("lfsdp-range")] if turn == 0 else []
     assert all(t.daemon for t in threads[0] + threads[1])
     assert set(threads[1]) <= set(alive), "the second fetch started threads of its own"
+
+
+def test_requests_go_on_as_others_end_before_any_is_consumed(tmp_path, monkeypatch):
+    # While a load plans, nothing consumes: a request starts as one ends (its body waits in the mapping), so all of
+    # these small ones are sent before serve() is called. Before, only the first SMALL_REQUESTS x ranges_in_flight
+    # (16) were, and the rest waited for the consumer.
+    import threading
+
+    from lightning_fsdp.checkpoint.io import ranged_read
+
+    (tmp_path / "shard").write_bytes(bytes(range(256)) * (48 * KIB))
+    spans = [("shard", i * 300 * KIB, i * 300 * KIB + KIB) for i in range(40)]
+    made, lock, all_made = [0], threading.Lock(), threading.Event()
+    original = ranged_read._Fetcher.get
+
+    def counted(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        with lock:
+            made[0] += 1
+            if made[0] == len(spans):
+                all_made.set()
+        return result
+
+    monkeypatch.setattr(ranged_read._Fetcher, "get", counted)
+    fetch = ranged_read.Fetch(_source(tmp_path), spans)
+    try:
+        assert all_made.wait(timeout=60), f"{made[0]} of {len(spans)} requests made before any was consumed"
+        got: list[bytes] = []
+        fetch.serve([(*span, lambda view: got.append(bytes(view))) for span in spans])
+        assert len(got) == 40 and got[1] == (bytes(range(256)) * 4)[:KIB]
+    finally:
+        fetch.cancel()
+
+
+def test_the_objects_a_rank_reads_least_of_go_first(tmp_path, monkeypatch):
+    # Rank 0 of benchmarks/object_storage.py reads ~100 small replicated items from rank 1's objects: round trips,
+    # which now run first (while the load plans), not after the bulk of its bytes.
+    from lightning_fsdp.checkpoint.io import ranged_read
+
+    (tmp_path / "a_big").write_bytes(bytes(2 * MIB))
+    (tmp_path / "z_small").write_bytes(bytes(4 * MIB))
+    asked: list[str] = []
+    original = ranged_read._Fetcher.get
+
+    def noted(self, name, *args, **kwargs):
+        asked.append(name)
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(ranged_read._Fetcher, "get", noted)
+    order: list[str] = []
+    needs = [("a_big", 0, 2 * MIB, lambda view: order.append("a_big"))]
+    needs += [("z_small", i * MIB, i * MIB + 100, lambda view: order.append("z_small")) for i in range(3)]
+    ranged_read.fetch(_source(tmp_path), needs, ranges_in_flight=1, range_size=MIB)
+    assert asked[0] == "z_small" and order == ["z_small"] * 3 + ["a_big"], (asked, order)
