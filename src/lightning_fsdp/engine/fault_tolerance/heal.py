@@ -246,7 +246,7 @@ def check_rng_state(state: Any) -> None:
 def _rng_problem(state: Any) -> Optional[str]:
     if type(state) is not dict or not {"torch", "python"} <= set(state) <= {"torch", "python", "cuda", "numpy"}:
         return "not a dict of `torch`, `python`, and optionally `cuda` and `numpy`"
-    if not _cpu_tensor(state["torch"], torch.uint8) or _unsettable(torch.Generator(), state["torch"]):
+    if not _cpu_tensor(state["torch"], torch.uint8) or _unsettable("cpu", state["torch"]):
         return "torch's is not a CPU generator state of this build"
     python = state["python"]
     if type(python) not in (list, tuple) or len(python) != 3 or type(python[1]) not in (list, tuple) \
@@ -270,8 +270,7 @@ def _rng_problem(state: Any) -> Optional[str]:
                 or not all(_cpu_tensor(s, torch.uint8) for s in cuda):
             return f"CUDA's is not a list of {devices} CPU uint8 tensors, one per CUDA device of this rank"
         # Without CUDA initialized here (nothing of this rank on a GPU), a restore is deferred to its first use.
-        if torch.cuda.is_initialized() \
-                and any(_unsettable(torch.Generator(f"cuda:{i}"), s) for i, s in enumerate(cuda)):
+        if torch.cuda.is_initialized() and any(_unsettable(f"cuda:{i}", s) for i, s in enumerate(cuda)):
             return "CUDA's are not CUDA generator states of this build"
     return None
 
@@ -280,9 +279,10 @@ def _cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
     return type(value) is torch.Tensor and value.dtype == dtype and value.device.type == "cpu" and value.dim() == 1
 
 
-def _unsettable(generator: torch.Generator, state: torch.Tensor) -> bool:
+def _unsettable(device: str, state: torch.Tensor) -> bool:
+    """Whether a fresh generator on ``device`` refuses ``state`` (the process's own generators are left alone)."""
     try:
-        generator.set_state(state)
+        torch.Generator(device).set_state(state)
     except (RuntimeError, TypeError, ValueError):  # "RNG state is wrong size", "Invalid mt19937 state"
         return True
     return False
