@@ -173,7 +173,7 @@ def _load_sharded(
 ) -> dict[str, Any]:
     meta_file = source / METADATA_FILENAME
 
-    def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any], dict[str, Any]]:
+    def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any], dict[str, Any], Any]:
         # Every file must belong to this save before any is used (`.metadata` decides where bytes go, `meta.pt`
         # holds the step); then meta.pt's own zip records are checked.
         if not check_files(source) and comm.global_rank == 0:
@@ -183,10 +183,10 @@ def _load_sharded(
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
         dcp_metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
         entries, paths = dcp_metadata.state_dict_metadata, dcp_metadata.planner_data or {}
-        return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries, paths
+        return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries, paths, dcp_metadata
 
-    metadata, available, entries, paths = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
-    together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, weights_only))
+    metadata, available, entries, paths, parsed = together(comm, f"Reading the metadata of {str(source)!r}", read_metadata)
+    together(comm, f"Checking the shard files of {str(source)!r}", lambda: _check_shard_files(source, parsed))
     # Lightning's Trainer keeps the model under "state_dict" (or "model") and its optimizers under "optimizer_<i>".
     where = {**{k: k for k in state}, **remap_requested_keys(available, list(split.models), list(split.optimizers))}
     # Requested plain entries that DCP holds (a front's sharded extras, another tool's `dcp.save`), not meta.pt, are
@@ -442,11 +442,11 @@ def _sharded_reader(source: Path, weights_only: bool) -> VerifyingReader:
                            prefetch=lambda spans: ranged_read.Fetch(remote, spans))
 
 
-def _check_shard_files(source: Path, weights_only: bool) -> None:
+def _check_shard_files(source: Path, metadata: Any) -> None:
     """Name a missing or truncated ``.distcp`` file before DCP trips over it with an anonymous read error: the
-    metadata records where in which file every piece lives, so each file must reach the end of its last piece.
-    From a bucket, the sizes are COMMIT's (checked against the objects when the save committed them)."""
-    metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
+    metadata (``.metadata``, as read by the load: parsed once) records where in which file every piece lives, so each
+    file must reach the end of its last piece. From a bucket, the sizes are COMMIT's (checked against the objects
+    when the save committed them)."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
