@@ -32,9 +32,10 @@ class _Indices(Dataset):
 
 
 class _Group:
-    """An open window and no torchft: what the strategy's hooks read of a replica group."""
+    """No torchft: what the strategy's hooks read of a replica group. The fit loop's wrapper opens the first window
+    before the loop starts; this one stays open (no vote closes it), so no batch takes a snapshot."""
 
-    window_open, manager = False, None
+    window_open, manager = True, None
 
     def begin_window(self) -> None:
         self.window_open = True
@@ -72,7 +73,7 @@ def _module():
 
 
 def _with_fault_tolerance(trainer, position: LoopPosition) -> None:
-    """The strategy's fault-tolerance data wiring on this Trainer: its `process_dataloader` and batch hook."""
+    """The strategy's fault-tolerance data wiring on this Trainer: its `process_dataloader` and train hooks."""
     from lightning.pytorch import Callback
 
     from lightning_fsdp.trainer import FSDPStrategy
@@ -84,13 +85,15 @@ def _with_fault_tolerance(trainer, position: LoopPosition) -> None:
         ft.lightning_module = trainer.lightning_module
         return FSDPStrategy.process_dataloader(ft, original(dataloader))
 
-    class BatchHook(Callback):
+    class Hooks(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            FSDPStrategy.on_train_start(ft)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            ft.replica_group.window_open = False  # every batch opens a window here (no accumulation)
             FSDPStrategy.on_train_batch_start(ft, batch, batch_idx)
 
     trainer.strategy.process_dataloader = process_dataloader
-    trainer.callbacks.append(BatchHook())
+    trainer.callbacks.append(Hooks())
 
 
 def test_a_resume_after_an_epochs_last_short_batch_reads_the_next_epoch_from_its_first_sample():
@@ -127,14 +130,22 @@ def test_more_than_one_training_loader_is_refused_with_the_fix():
         data = _Indices(8)
         return DataLoader(data, batch_size=2, sampler=SequentialSampler(data))
 
+    from lightning.pytorch.utilities import CombinedLoader
+
+    refusal = (r"Invalid `train_dataloaders='dict of 2 DataLoaders'`\. Every training loader would read through the"
+               r" one data position.*Allowed: one training DataLoader under fault_tolerance\. HINT: Train from one"
+               r" DataLoader")
     trainer = _trainer(max_epochs=1, limit_val_batches=0)
-    _with_fault_tolerance(trainer, LoopPosition(trainer))
+    position = LoopPosition(trainer)
+    _with_fault_tolerance(trainer, position)
     module = _module()
-    with pytest.raises(ValueError, match=r"Invalid `train_dataloaders='dict of 2 DataLoaders'`\. Every training loader"
-                                         r" would read through the one data position.*Allowed: one training"
-                                         r" DataLoader under fault_tolerance\. HINT: Train from one DataLoader"):
+    with pytest.raises(ValueError, match=refusal):
         trainer.fit(module, {"a": loader(), "b": loader()})
     assert module.seen == []  # refused before the first training step
+    # Loaders reloaded at an epoch's start (`reload_dataloaders_every_n_epochs`): refused at the next window.
+    trainer.fit_loop._combined_loader = CombinedLoader({"a": loader(), "b": loader()})
+    with pytest.raises(ValueError, match=refusal):
+        position.snapshot(at_batch_start=True)
 
 
 def test_a_loader_given_for_training_and_validation_reads_its_own_sampler_in_validation():
@@ -180,10 +191,10 @@ _DATA = _Indices(6)
     (CursorSampler(RandomSampler(_DATA)), "RandomSampler"),
 ], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order", "cursor-over-random"])
 def test_a_sampler_whose_order_is_not_fixed_by_the_epoch_is_refused_with_the_fix(sampler, shown):
-    """F4: a healed group draws such an order at the heal, from a generator in another state than the live groups':
+    """F4: a healed group draws such an order anew at the heal, from a generator in another state than the live ones:
     8 of 8 heals of a RandomSampler, 5 of 8 of a seeded one, trained on other samples than the live run."""
     with pytest.raises(ValueError, match=rf"Invalid `train_dataloaders='DataLoader\(sampler={re.escape(shown)}\)'`\. A healed"
-                                         r" group draws this sampler's order at the heal.*Allowed: a training sampler"
+                                         r" group draws this sampler's order anew at the heal.*Allowed: a training sampler"
                                          r" whose order depends only on the epoch.*HINT: use DistributedSampler\("
                                          r"dataset, shuffle=True, seed=\.\.\.\)"):
         LoopPosition(None).wrap_training_loader(DataLoader(_DATA, batch_size=2, sampler=sampler))

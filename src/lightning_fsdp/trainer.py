@@ -340,6 +340,12 @@ class FSDPStrategy(FrontMixin, ParallelStrategy):
             return self._loop_position.wrap_training_loader(dataloader)
         return dataloader
 
+    def on_train_start(self) -> None:
+        # The training loaders are set up, no batch is trained yet (the first window is already open: its batches
+        # take no snapshot, so the refusal cannot wait for one).
+        if self._loop_position is not None and self.replica_group is not None:
+            self._loop_position.refuse_several_training_loaders()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The window of an optimizer step opens at its first batch. `begin_window` does nothing while a window is
         # open, so calling it at every batch opens one per accumulation window, the epoch's last, shorter window

@@ -92,8 +92,8 @@ class LoopPosition:
 
     def snapshot(self, at_batch_start: bool) -> None:
         """Take the loop state a heal of this window would send (main thread, before the window's quorum starts)."""
-        if at_batch_start:  # the training loaders are set up by now (also after a reload of them)
-            self._refuse_several_training_loaders()
+        if at_batch_start:  # loaders reloaded at an epoch's start (`reload_dataloaders_every_n_epochs`) are set up
+            self.refuse_several_training_loaders()
         state = self.trainer.fit_loop.state_dict()
         own = state.get("state_dict")
         if isinstance(own, dict):
@@ -105,10 +105,11 @@ class LoopPosition:
     def produce(self) -> Any:
         return self._snapshot
 
-    def _refuse_several_training_loaders(self) -> None:
+    def refuse_several_training_loaders(self) -> None:
         """Several training loaders (Lightning's ``CombinedLoader``) would each read through the one cursor: each
         would take every other position of its data, its batches paired with the wrong ones of the other, and the
-        epoch would end at half its length. A cursor per loader is not sent in a heal: refused."""
+        epoch would end at half its length. A cursor per loader is not sent in a heal: refused (the strategy's
+        ``on_train_start``, and each window's snapshot after a reload of the loaders)."""
         combined = getattr(self.trainer.fit_loop, "_combined_loader", None)
         loaders = combined.flattened if combined is not None else []
         if len(loaders) > 1:
@@ -201,8 +202,9 @@ class LoopPosition:
                 " DistributedSamplerWrapper over one of these",
                 "use DistributedSampler(dataset, shuffle=True, seed=...) for a shuffled order (or"
                 " `DataLoader(shuffle=True)` and let the Trainer inject it), or turn fault_tolerance off.",
-                problem="A healed group draws this sampler's order at the heal, from a random generator in another"
-                        " state than the live groups' one: it would train on other samples than theirs",
+                problem="A healed group draws this sampler's order anew at the heal, and only an order fixed by the"
+                        " epoch is the live groups' order there (a random sampler's depends on its generator's past"
+                        " draws): it would train on other samples than theirs",
             ))
         self.sampler = CursorSampler(inner, self.cursor)
         self.batch_size = batch_sampler.batch_size
