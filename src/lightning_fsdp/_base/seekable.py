@@ -31,7 +31,8 @@ class SizedReader(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
-            raise ValueError(f"whence={whence!r} is not one of 0 (start), 1 (current position), 2 (end)")
+            raise ValueError(f"whence={whence!r} is not one of 0 (start), 1 (current position), 2 (end). HINT:"
+                             " pass io.SEEK_SET, io.SEEK_CUR or io.SEEK_END")
         base = (0, self._pos, self._extent())[whence]
         self._pos = max(0, base + offset)
         return self._pos

@@ -36,7 +36,7 @@ import threading
 import weakref
 from typing import Any, Optional
 
-__all__ = ["client_for", "FastRanges", "Short", "Unplaced", "VARIABLE"]
+__all__ = ["client_for", "FastRanges", "Short", "Unplaced", "VARIABLE", "masked_body", "said_as_s3fs"]
 
 VARIABLE = "LFSDP_S3_CLIENT"  # "s3fs": never use obstore
 # A body is copied as it arrives, at least this much at a time (obstore holds back smaller pieces): a failure costs
@@ -57,7 +57,7 @@ _LOCK = threading.Lock()
 
 
 class Unplaced(Exception):
-    """obstore could not place the answer (neither data nor one of the errors :func:`_said` knows): the caller
+    """obstore could not place the answer (neither data nor one of the errors :func:`said_as_s3fs` knows): the caller
     repeats the request through s3fs, which can (and which is used for this filesystem from now on)."""
 
 
@@ -224,7 +224,7 @@ class FastRanges:
         try:
             result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
         except Exception as err:  # noqa: BLE001
-            raise _said(err) from None  # obstore's text holds the body unmasked: not shown in a traceback
+            raise said_as_s3fs(err) from None  # obstore's text holds the body unmasked: not shown in a traceback
         total = (result.meta or {}).get("size")
         if total is not None and int(total) != committed:
             raise Short(f"{url!r} has {total} bytes, its commit records {committed}. HINT: the checkpoint is damaged;"
@@ -257,7 +257,7 @@ class Short(Exception):
         self.size = size
 
 
-def _said(err: BaseException) -> BaseException:
+def said_as_s3fs(err: BaseException) -> BaseException:
     """obstore's error as s3fs says it (the same classes), so that the store's retry and its messages treat both
     alike: they wrap it with the URL, the operation and their own HINT."""
     text = masked_body(str(err))

@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Optional
 
 from lightning_fsdp.checkpoint.io import transport_download
+from lightning_fsdp.checkpoint.io.transport_download import said_as_s3fs
 
 __all__ = ["puts_for", "FastPuts", "Refused"]
 
@@ -110,8 +111,9 @@ class FastPuts:
                                              attributes=dict(metadata or {}), use_multipart=False)
         except (AlreadyExistsError, PreconditionError) as err:
             text = transport_download.masked_body(str(err))
-            raise Refused(f"PreconditionFailed: {text.strip().splitlines()[0][:300] if text.strip() else ''}") \
-                from None
+            first = text.strip().splitlines()[0][:300] if text.strip() else ""
+            raise Refused(f"PreconditionFailed: {first}. HINT: another writer holds this key; the save's own"
+                          " recovery checks whether it is this save's") from None
         except Exception as err:  # noqa: BLE001
-            raise transport_download._said(err) from None  # obstore's text holds the body unmasked
+            raise said_as_s3fs(err) from None  # obstore's text holds the body unmasked
         return {"ETag": answer.get("e_tag")}
