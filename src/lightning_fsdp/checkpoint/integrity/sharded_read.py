@@ -4,7 +4,6 @@ save, the whole files it binds are checked before use, and :class:`VerifyingRead
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from typing import IO, Any, Callable, Optional, Union
 from torch.futures import Future
 
 from lightning_fsdp._base.compat import DCP_READER_ITEM_VIEW
+from lightning_fsdp._base.seekable import SizedReader
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import (
@@ -221,7 +221,7 @@ _READ_PIECE = 2**20
 _BLOCK = 8 * 2**10
 
 
-class _ItemSlice(io.RawIOBase):
+class _ItemSlice(SizedReader):
     """One item of a shard file, as a file of its own for DCP's reader, that hashes the item's bytes in order
     without reading them twice.
 
@@ -238,19 +238,8 @@ class _ItemSlice(io.RawIOBase):
         self._pos = self._hashed = 0
         self._blocks: list[tuple[int, bytes]] = []  # (start in the item, bytes): the two most recently read
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, start + offset)
-        return self._pos
+    def _extent(self) -> int:
+        return self._length
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

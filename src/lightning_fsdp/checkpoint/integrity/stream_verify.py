@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import struct
 import zipfile
 from typing import Any, Callable, Iterator, Optional, Protocol
 
+from lightning_fsdp._base.seekable import SizedReader
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity import sharded_read, zipfiles
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, unreadable
@@ -230,7 +230,7 @@ def _archive(objects: Objects, name: str) -> Iterator[zipfile.ZipFile]:
         raise unreadable(objects.where(name), err) from err
 
 
-class _RangeFile(io.RawIOBase):
+class _RangeFile(SizedReader):
     """One object as a seekable file for ``zipfile``, read by ranges. A zip reader reads its end (the directory)
     and a few records; the end is fetched once (the last 1 MiB), other reads in 64 KiB blocks, the two last kept."""
 
@@ -245,19 +245,8 @@ class _RangeFile(io.RawIOBase):
         self._blocks: list[tuple[int, bytes]] = []
         self.failure: Optional[OSError] = None
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, start + offset)
-        return self._pos
+    def _extent(self) -> int:
+        return self._size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -41,6 +41,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from lightning_fsdp._base.seekable import SizedReader
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
 from lightning_fsdp.checkpoint.integrity.digests import DAMAGED_HINT, ChecksumError
 from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, _ItemCheck
@@ -435,33 +436,22 @@ def _pickled_dtype(head: bytes) -> Optional[torch.dtype]:
     return named if isinstance(named, torch.dtype) else None
 
 
-class _ViewFile(io.RawIOBase):
+class _ViewFile(SizedReader):
     """The checked bytes of an item as a read-only file for ``torch.load``, which reads each record into its own
     memory through ``readinto``: ``io.BytesIO(view)`` would first copy the whole item."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
-        self._view, self._position = view.cast("B"), 0
+        self._view, self._pos = view.cast("B"), 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = max(0, base + offset)
-        return self._position
+    def _extent(self) -> int:
+        return len(self._view)
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        count = max(0, min(len(out), len(self._view) - self._position))
-        out[:count] = self._view[self._position:self._position + count]
-        self._position += count
+        count = max(0, min(len(out), len(self._view) - self._pos))
+        out[:count] = self._view[self._pos:self._pos + count]
+        self._pos += count
         return count
 
 

@@ -32,7 +32,6 @@ copy.
 
 from __future__ import annotations
 
-import io
 import struct
 import zipfile
 from dataclasses import replace
@@ -40,6 +39,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from lightning_fsdp._base.compat import DCPStorageInfo as _StorageInfo
+from lightning_fsdp._base.seekable import SizedReader
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -105,30 +105,19 @@ class _Unknown(Exception):
     """A read of bytes that were neither kept at the start nor at the end of the item."""
 
 
-class _Ends(io.RawIOBase):
+class _Ends(SizedReader):
     """A file of ``total`` bytes of which only the first (``head``) and last (``tail``) are known: enough for
     ``zipfile`` to read a zip's central directory, which sits at its end."""
 
     def __init__(self, head: bytes, tail: bytes, total: int) -> None:
         super().__init__()
-        self._head, self._tail, self._total, self._position = head, tail, total, 0
+        self._head, self._tail, self._total, self._pos = head, tail, total, 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._position, 2: self._total}[whence]
-        self._position = max(0, base + offset)
-        return self._position
+    def _extent(self) -> int:
+        return self._total
 
     def readinto(self, buffer: Any) -> int:
-        start = self._position
+        start = self._pos
         end = min(self._total, start + len(buffer))
         tail_from = self._total - len(self._tail)
         if end <= len(self._head):
@@ -138,7 +127,7 @@ class _Ends(io.RawIOBase):
         else:
             raise _Unknown()
         buffer[:len(data)] = data
-        self._position = end
+        self._pos = end
         return len(data)
 
 
