@@ -28,6 +28,7 @@ import errno
 import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -42,14 +43,20 @@ from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io import remote_clean, remote_download, remote_upload
 from lightning_fsdp.checkpoint.io.remote_ops import RemoteOps
-from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging,
-                                                       remove_token, staging_root, token_of_staging)
+from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging_once,
+                                                       remove_token, side_by_side, staging_root, token_of_staging)
 from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, one_budget, retrying
 from lightning_fsdp.checkpoint.io.remote_windows import CommittedObjects
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
 
 __all__ = ["FsspecStore", "COMMIT_NAME", "clean"]
 
+# COMMITs of a directory read at once: each read is one small GET that mostly waits on the store.
+_COMMIT_READERS = 8
+# Buckets this process has seen exist, per filesystem (its fsspec token) and bucket: a save checks once, not on every
+# save. A bucket deleted later still fails the upload, which then names the missing bucket (`commit`).
+_BUCKETS_SEEN: set[tuple[Any, ...]] = set()
+_SEEN_LOCK = threading.Lock()
 
 
 class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Store interface, and `clean`
@@ -124,7 +131,7 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
             yield local
 
     def staging(self, target: Any, token: str, rank: int) -> Path:
-        remove_stale_staging()  # what killed saves and loads of this host left behind (their process is gone)
+        remove_stale_staging_once()  # what killed saves and loads of this host left (their process is gone)
         root = staging_root(token, rank)
         root.mkdir(parents=True, exist_ok=True)
         return root / (basename(str(target)) or "checkpoint")
@@ -160,15 +167,24 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
         try:
             self.fs.info(f"{self.protocol}://{bucket}")
         except FileNotFoundError:
+            with _SEEN_LOCK:
+                _BUCKETS_SEEN.discard(self._bucket_key(target))
             return FileNotFoundError(errno.ENOENT, f"The bucket {bucket!r} of {target!r} does not exist (or these"
                                      " credentials cannot see it). HINT: create it (e.g. `aws s3 mb"
                                      f" {self.protocol}://{bucket}`), or fix the checkpoint URL.")
+        with _SEEN_LOCK:
+            _BUCKETS_SEEN.add(self._bucket_key(target))
         return None
+
+    def _bucket_key(self, target: str) -> tuple[Any, ...]:
+        """Which bucket of which store: the filesystem's fsspec token says protocol, endpoint and credentials."""
+        return (self.protocol, getattr(self.fs, "_fs_token", None) or id(self.fs),
+                split_url(target)[1].split("/", 1)[0])
 
     def _check_target(self, target: str) -> None:
         fs = self.fs
         fs.invalidate_cache()
-        if self.protocol in EXTRAS:
+        if self.protocol in EXTRAS and self._bucket_key(target) not in _BUCKETS_SEEN:
             missing = self._missing_bucket(target)
             if missing is not None:
                 raise missing
@@ -198,7 +214,15 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
                 raise failure
             if comm.global_rank == 0 and target not in self._saves:  # a commit with no check_target before it
                 self._saves[target] = self._retrying(target, "checking", lambda: self._begin(target))
-            return self._retrying(target, "uploading to", lambda: self._upload(staged, target, token))
+            try:
+                return self._retrying(target, "uploading to", lambda: self._upload(staged, target, token))
+            except Exception as err:  # the bucket, checked once per process, may be gone since: say so
+                missing = None
+                with contextlib.suppress(Exception):
+                    missing = self._missing_bucket(target)
+                if missing is None:
+                    raise
+                raise missing from err
 
         try:
             mine = together(comm, f"Uploading the checkpoint to {target!r}", upload)
@@ -408,19 +432,21 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
             entries = self._retrying(directory, "listing", lambda: fs.ls(directory, detail=False))
         except FileNotFoundError:
             return []
-        found = []
-        for entry in entries:
-            name = _leaf(entry)
-            if name.startswith(".") or name == COMMIT_NAME:
-                continue
-            url = join(directory, name)
+        names = [name for name in map(_leaf, entries) if not name.startswith(".") and name != COMMIT_NAME]
+
+        def record_of(url: str) -> Optional[dict[str, Any]]:
             try:
-                record = self.read_commit(url)
+                return self.read_commit(url)
             except ChecksumError as err:  # damaged: still a candidate, which `latest` skips and names as damaged
-                record = {"damaged": str(err)}  # (a newer release's COMMIT is raised: this one cannot order it)
-            if record is not None:
-                found.append((name, url, record))
-        return found
+                return {"damaged": str(err)}  # (a newer release's COMMIT is raised: this one cannot order it)
+
+        urls = [join(directory, name) for name in names]
+        # Side by side on a few threads (each a small GET that waits on the store), under one retry budget: every
+        # thread runs in a copy of this context, so its retries spend the budget set here. Any error is raised for
+        # the first checkpoint in listing order that failed, as reading them one after another would.
+        with one_budget():
+            records = side_by_side(record_of, urls, _COMMIT_READERS)
+        return [(name, url, record) for name, url, record in zip(names, urls, records) if record is not None]
 
     # --- errors ---------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ their names carry the host and the process id, so another live job's folder is n
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 import email.utils
 import errno
@@ -34,18 +35,22 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import xxhash
 
 from lightning_fsdp.checkpoint.io.remote_errors import damaged
 from lightning_fsdp.checkpoint.io.urls import fresh_info, join, split_url
 
+T = TypeVar("T")
+
 __all__ = ["TOKEN", "GRACE_S", "is_token", "Swept", "remove_token", "remove_rest", "sweep", "staging_root",
-           "token_of_staging", "load_prefix", "remove_stale_staging", "objects_under", "check_uploaded",
+           "token_of_staging", "load_prefix", "remove_stale_staging", "remove_stale_staging_once", "side_by_side", "objects_under", "check_uploaded",
            "changed_while_read"]
 
 # Exactly the tokens saves make: uuid4().hex[:12] (save, convert) and [:16] (the command line's convert).
@@ -366,3 +371,41 @@ def remove_stale_staging(directory: Optional[Path] = None) -> list[str]:
         if not (directory / name).exists():
             removed.append(str(directory / name))
     return removed
+
+
+# Temporary folders this process already swept: a folder of a process that died since is removed by the next
+# process's first save, or by `clean` (listing a /tmp of many thousand entries costs milliseconds per save).
+_SWEPT: set[str] = set()
+_SWEPT_LOCK = threading.Lock()
+
+
+def remove_stale_staging_once() -> list[str]:
+    """:func:`remove_stale_staging` of the temporary folder, the first time this process asks for that folder."""
+    directory = tempfile.gettempdir()
+    with _SWEPT_LOCK:
+        if directory in _SWEPT:
+            return []
+        _SWEPT.add(directory)
+    return remove_stale_staging(Path(directory))
+
+
+def side_by_side(step: Callable[[str], T], items: list[str], threads: int) -> list[T]:
+    """``step`` of each item, on up to ``threads`` threads, each in a copy of the caller's context (so its retries
+    spend the caller's :func:`~.remote_errors.one_budget`); the answers in the items' order. The error raised is the
+    first item's in that order that failed, as one call after another would raise, once every call has ended."""
+    def run(item: str) -> tuple[Any, Optional[BaseException]]:
+        try:
+            return step(item), None
+        except Exception as err:  # noqa: BLE001 - raised below, in the items' order
+            return None, err
+
+    if len(items) < 2:
+        outcomes = [run(item) for item in items]
+    else:
+        contexts = [contextvars.copy_context() for _ in items]
+        with ThreadPoolExecutor(min(threads, len(items)), "lightning-fsdp-commits") as pool:
+            outcomes = list(pool.map(lambda item, ctx: ctx.run(run, item), items, contexts))
+    for _, err in outcomes:
+        if err is not None:
+            raise err
+    return [answer for answer, _ in outcomes]
