@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning_fsdp._fronts import replica
 from lightning_fsdp._fronts.replica_checkpoint import STATE_KEY, restore_replica_state
 from lightning_fsdp.engine.fault_tolerance import heal
+from lightning_fsdp.engine.fault_tolerance.config import FaultToleranceError
 from lightning_fsdp.engine.fault_tolerance import transport as T
 
 pytestmark = pytest.mark.single_process
@@ -103,7 +104,7 @@ class _Captured(Exception):
     """Stops start_replica_group once the group's parts are captured."""
 
 
-def _captured_group(monkeypatch, module, optimizers):
+def _captured_group(monkeypatch, module, optimizers, extra=None):
     """What start_replica_group gives its ReplicaGroup: the transport factory and the heal's load function."""
     seen = {}
 
@@ -123,7 +124,7 @@ def _captured_group(monkeypatch, module, optimizers):
 
     monkeypatch.setattr(replica, "ReplicaGroup", Group)
     with pytest.raises(_Captured):
-        replica.start_replica_group(None, module, optimizers, device=torch.device("cpu"))
+        replica.start_replica_group(None, module, optimizers, device=torch.device("cpu"), extra=extra)
     return seen
 
 
@@ -268,6 +269,28 @@ def test_a_heal_with_bad_random_states_changes_nothing(monkeypatch):
         load(payload)
     assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
     assert not torch.equal(target.weight, source.weight)
+
+
+def test_a_heal_whose_loop_state_does_not_fit_changes_nothing(monkeypatch):
+    """The Trainer's loop state is checked before the model is: old code overwrote the weights and the optimizer,
+    then refused the loop state (its shape check ran in the last step of the heal)."""
+    from lightning_fsdp._fronts.trainer_heal import LoopPosition
+
+    class Loop:  # the fit loop's state_dict, as LoopPosition reads it
+        def state_dict(self):
+            return {"epoch_progress": {"current": {"processed": 0}}, "state_dict": {}}
+
+    position = LoopPosition(type("Trainer", (), {"fit_loop": Loop()})())
+    torch.manual_seed(0)
+    source, target = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
+    payload = heal.produce(source, [torch.optim.SGD(source.parameters(), lr=0.1)], strategy=heal.rng_state(),
+                           loop={"epoch_progress": {"current": {"processed": "zero"}}, "state_dict": {}})
+    load = _captured_group(monkeypatch, target, [optimizer], extra=position)["load"]
+    before = [p.detach().clone() for p in target.parameters()]
+    with pytest.raises(FaultToleranceError, match=r"epoch_progress\.current\.processed"):
+        load(payload)
+    assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
 
 
 # ---- F9: the counters in a checkpoint ----------------------------------------------------------------------------

@@ -41,9 +41,12 @@ HEAL_KEY = "lightning_fsdp"
 
 class ExtraState(Protocol):
     """State of a front that a healing group also receives (the Trainer's loop position, say): ``produce()`` gives a
-    tree of plain values and tensors on the sender, ``load(tree)`` applies it on the healer."""
+    tree of plain values and tensors on the sender, ``check(tree)`` refuses one that does not fit before the heal
+    applies anything, ``load(tree)`` applies it on the healer."""
 
     def produce(self) -> Any: ...
+
+    def check(self, tree: Any) -> None: ...
 
     def load(self, tree: Any) -> None: ...
 
@@ -66,6 +69,8 @@ def start_replica_group(config: FaultTolerance, module: Module, optimizers: Sequ
 
         def load(payload: Any) -> None:
             heal.check_rng_state(payload["strategy"] if isinstance(payload, dict) else None)  # before any change
+            if extra is not None and isinstance(payload, dict):
+                extra.check(payload.get("loop"))
             rest = heal.load(payload, module, optimizers, schedulers)
             heal.restore_rng_state(rest["strategy"])
             if extra is not None:

@@ -124,10 +124,14 @@ class LoopPosition:
 
     # --- the healer ------------------------------------------------------------------------------------------------
 
-    def load(self, tree: Any) -> None:
+    def check(self, tree: Any) -> None:
+        """Refuse a received loop state that is not this loop's shape; called before the heal applies anything."""
         own = self.trainer.fit_loop.state_dict()
         own.get("state_dict", {}).pop("combined_loader", None)
         _check_shape(tree, own, "loop")
+
+    def load(self, tree: Any) -> None:
+        self.check(tree)
         if self._running:
             self._align(tree)
         else:
