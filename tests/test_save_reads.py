@@ -47,6 +47,29 @@ def test_a_second_save_to_a_bucket_asks_nothing_of_the_bucket_itself(store, ledg
     assert on_bucket == [], on_bucket  # the first save saw it exist: no HEAD of the bucket per save
 
 
+def test_the_checks_before_a_save_to_a_new_target_are_four_requests(store, ledger):
+    bucket = ledger.bucket()
+    _save(store, f"s3://{bucket}/run/step-1", {"a.distcp": b"1"})
+    ledger.reset()
+    store.check_target(store.target(f"s3://{bucket}/run/step-2"), 0)
+    asked = [(r.method, r.key or r.query.get("prefix")) for r in ledger.records()]
+    # A HEAD of the target (is it an object?) and a LIST of its prefix (anything under it?); then COMMIT's version,
+    # which the save's conditional PUT begins from (a HEAD, and s3fs's LIST when it finds none). No HEAD of the
+    # bucket, no LIST of the whole directory (the code before asked 7 times).
+    assert asked == [("HEAD", "run/step-2"), ("GET", "run/step-2/"), ("HEAD", "run/step-2/COMMIT"),
+                     ("GET", "run/step-2/COMMIT/")], asked
+
+
+def test_an_object_at_the_target_is_still_refused_and_a_foreign_folder_too(store, ledger):
+    bucket = ledger.bucket()
+    ledger.client().put_object(Bucket=bucket, Key="run/notes", Body=b"mine")
+    ledger.client().put_object(Bucket=bucket, Key="run/data/table.csv", Body=b"mine")
+    with pytest.raises(FileExistsError, match="is an existing object that is not a checkpoint.*HINT"):
+        store.check_target(store.target(f"s3://{bucket}/run/notes"), 0)
+    with pytest.raises(IsADirectoryError, match=r"holds objects no checkpoint save wrote \(table.csv\).*HINT"):
+        store.check_target(store.target(f"s3://{bucket}/run/data"), 0)
+
+
 def test_a_bucket_deleted_after_a_save_is_named_at_the_next_saves_upload(store, ledger):
     bucket = ledger.bucket()
     _save(store, f"s3://{bucket}/run/step-1", {"a.distcp": b"1"})  # the bucket is now known to exist

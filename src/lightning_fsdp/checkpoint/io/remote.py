@@ -28,7 +28,6 @@ import errno
 import json
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -43,8 +42,9 @@ from lightning_fsdp.checkpoint.io.conditional import lost_race, put_if, version_
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 from lightning_fsdp.checkpoint.io import remote_clean, remote_download, remote_upload
 from lightning_fsdp.checkpoint.io.remote_ops import RemoteOps
-from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_stale_staging_once,
-                                                       remove_token, side_by_side, staging_root, token_of_staging)
+from lightning_fsdp.checkpoint.io.remote_clean import (Swept, changed_while_read, load_prefix, remove_token,
+                                                       remove_stale_staging_once, side_by_side, staging_root,
+                                                       token_of_staging)
 from lightning_fsdp.checkpoint.io.remote_errors import renamed as _renamed, explain, one_budget, retrying
 from lightning_fsdp.checkpoint.io.remote_windows import CommittedObjects
 from lightning_fsdp.checkpoint.io.urls import EXTRAS, basename, filesystem, join, normalize, parent, split_url
@@ -56,7 +56,6 @@ _COMMIT_READERS = 8
 # Buckets this process has seen exist, per filesystem (its fsspec token) and bucket: a save checks once, not on every
 # save. A bucket deleted later still fails the upload, which then names the missing bucket (`commit`).
 _BUCKETS_SEEN: set[tuple[Any, ...]] = set()
-_SEEN_LOCK = threading.Lock()
 
 
 class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Store interface, and `clean`
@@ -167,19 +166,16 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
         try:
             self.fs.info(f"{self.protocol}://{bucket}")
         except FileNotFoundError:
-            with _SEEN_LOCK:
-                _BUCKETS_SEEN.discard(self._bucket_key(target))
+            _BUCKETS_SEEN.discard(self._bucket_key(target))  # set.discard and set.add are atomic under the GIL
             return FileNotFoundError(errno.ENOENT, f"The bucket {bucket!r} of {target!r} does not exist (or these"
                                      " credentials cannot see it). HINT: create it (e.g. `aws s3 mb"
                                      f" {self.protocol}://{bucket}`), or fix the checkpoint URL.")
-        with _SEEN_LOCK:
-            _BUCKETS_SEEN.add(self._bucket_key(target))
+        _BUCKETS_SEEN.add(self._bucket_key(target))
         return None
 
     def _bucket_key(self, target: str) -> tuple[Any, ...]:
         """Which bucket of which store: the filesystem's fsspec token says protocol, endpoint and credentials."""
-        return (self.protocol, getattr(self.fs, "_fs_token", None) or id(self.fs),
-                split_url(target)[1].split("/", 1)[0])
+        return (self.protocol, getattr(self.fs, "_fs_token", None) or id(self.fs), split_url(target)[1].split("/")[0])
 
     def _check_target(self, target: str) -> None:
         fs = self.fs
@@ -188,7 +184,11 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
             missing = self._missing_bucket(target)
             if missing is not None:
                 raise missing
-        if fs.isfile(target):
+        try:  # "a file?" and "anything there?" in one answer: a HEAD and a LIST for a new target (was four requests)
+            kind = fs.info(target).get("type")
+        except FileNotFoundError:
+            return
+        if kind == "file":
             raise FileExistsError(errno.EEXIST, f"{target!r} is an existing object that is not a checkpoint, so it"
                                   " is left untouched. HINT: choose another path, or remove it yourself.")
         try:

@@ -50,7 +50,8 @@ from lightning_fsdp.checkpoint.io.urls import fresh_info, join, split_url
 T = TypeVar("T")
 
 __all__ = ["TOKEN", "GRACE_S", "is_token", "Swept", "remove_token", "remove_rest", "sweep", "staging_root",
-           "token_of_staging", "load_prefix", "remove_stale_staging", "remove_stale_staging_once", "side_by_side", "objects_under", "check_uploaded",
+           "token_of_staging", "load_prefix", "remove_stale_staging", "remove_stale_staging_once", "side_by_side",
+           "objects_under", "check_uploaded",
            "changed_while_read"]
 
 # Exactly the tokens saves make: uuid4().hex[:12] (save, convert) and [:16] (the command line's convert).
