@@ -2,7 +2,8 @@
 ``object_storage.py`` (2 CPU ranks, GPT with AdamW, 86 MB per rank, moto behind the counting middleware), one save,
 then ``--reps`` saves or loads, each timed on every rank with three instruments:
 
-- the ranged reads' share of a load (``ranged_read.fetch``: when it started after the load did, how long it took);
+- the ranged reads' share of a load (a ``ranged_read.Fetch``, from when it is made, in DCP's local planning, to the
+  end of its ``serve``: when it started after the load did, how long it took);
 - every full collection of Python's cyclic collector during the runs (``gc.callbacks``: when, how long), which
   walks every object of the process and so costs a rank with torch and Lightning imported a quarter of a second;
 - with ``--py-spy FILE``, rank 0 sampled by py-spy during the runs (``--format raw``, every thread, idle too: read it
@@ -106,16 +107,21 @@ def _worker(args: argparse.Namespace) -> None:
     began = [0.0]
     fetches: list[tuple[float, float]] = []
     collections: list[tuple[float, float]] = []
-    original = ranged_read.fetch
+    # A load's requests start when its Fetch is made (in DCP's local planning) and end when `serve` has handed the
+    # last bytes over: that span is the ranged reads' share.
+    original_init, original_serve = ranged_read.Fetch.__init__, ranged_read.Fetch.serve
 
-    def timed(*a, **k):
-        start = time.perf_counter()
+    def noted_init(self, *a, **k):
+        self._profile_started = time.perf_counter()
+        original_init(self, *a, **k)
+
+    def timed_serve(self, *a, **k):
         try:
-            return original(*a, **k)
+            return original_serve(self, *a, **k)
         finally:
-            fetches.append((start - began[0], time.perf_counter() - start))
+            fetches.append((self._profile_started - began[0], time.perf_counter() - self._profile_started))
 
-    ranged_read.fetch = timed
+    ranged_read.Fetch.__init__, ranged_read.Fetch.serve = noted_init, timed_serve
     collecting = [0.0]
 
     def noted(phase: str, info: dict) -> None:
