@@ -143,8 +143,9 @@ class FsspecStore(RemoteOps):  # RemoteOps: the plain-file operations of the Sto
     def check_target(self, target: Any, rank: int) -> None:
         if rank != 0:
             return
-        self._retrying(target, "checking", lambda: self._check_target(target))
-        self._saves[target] = self._retrying(target, "checking", lambda: self._begin(target))
+        # The checks and COMMIT's version side by side (independent round trips); a failed check is raised first.
+        _, self._saves[target] = side_by_side(lambda step: self._retrying(target, "checking", step),
+                                              [lambda: self._check_target(target), lambda: self._begin(target)], 2)
 
     def _begin(self, target: str) -> dict[str, Any]:
         """What a save to ``target`` begins from: COMMIT's version now, the condition of its PUT (so a save committed

@@ -390,11 +390,11 @@ def remove_stale_staging_once() -> list[str]:
     return remove_stale_staging(Path(directory))
 
 
-def side_by_side(step: Callable[[str], T], items: list[str], threads: int) -> list[T]:
+def side_by_side(step: Callable[[Any], T], items: list[Any], threads: int) -> list[T]:
     """``step`` of each item, on up to ``threads`` threads, each in a copy of the caller's context (so its retries
     spend the caller's :func:`~.remote_errors.one_budget`); the answers in the items' order. The error raised is the
     first item's in that order that failed, as one call after another would raise, once every call has ended."""
-    def run(item: str) -> tuple[Any, Optional[BaseException]]:
+    def run(item: Any) -> tuple[Any, Optional[BaseException]]:
         try:
             return step(item), None
         except Exception as err:  # noqa: BLE001 - raised below, in the items' order
