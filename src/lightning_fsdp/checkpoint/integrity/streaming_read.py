@@ -188,6 +188,9 @@ class StreamingReader(VerifyingReader):
                     started, serving = None, started
                     serving.serve(needs)
                 else:
+                    if started is not None:  # started for another plan: its window goes before this one is made
+                        started, stale = None, started
+                        stale.cancel()
                     self._fetch(needs)
         finally:
             if started is not None:  # started for another plan: its requests are dropped

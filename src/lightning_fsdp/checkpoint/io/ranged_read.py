@@ -236,7 +236,7 @@ class Fetch:
         # in a copy of the caller's context (taken here: a worker's own is not the load's).
         self.lock = threading.RLock()
         self.context = contextvars.copy_context()
-        self.running, self.starting = 0, False
+        self.unended, self.starting = set(), False  # futures not known to have ended
         # The window is one of bytes: at most `window` requests, or more small ones (up to SMALL_REQUESTS times as
         # many) while the bytes they ask for stay within `window * size`; so the bodies alive are at most window *
         # size bytes either way. Small requests are mostly round trips (rank 0 of benchmarks/object_storage.py reads
@@ -258,7 +258,7 @@ class Fetch:
         # load within LFSDP_STORE_TIMEOUT_S, not ranges_in_flight times it.
         self.starting = True
         try:
-            while self.following and self.running < self.most:
+            while self.following and len(self.unended) < self.most:
                 name, start, end = self.following[0]
                 into = self.bodies.take(start, end - start)
                 if into is None:
@@ -266,7 +266,7 @@ class Fetch:
                 self.following.popleft()
                 body = [into]  # emptied where the request is cancelled before it starts: its task holds no body then
                 future = _WORKERS.submit(self.context.copy().run, _get, self.fetcher, name, start, end, body)
-                self.running += 1
+                self.unended.add(future)
                 self.futures.append(((name, start, end), body, future))
                 future.add_done_callback(self._ended)  # at once where it already ended: then starting holds
         finally:
@@ -274,7 +274,7 @@ class Fetch:
 
     def _ended(self, future: concurrent.futures.Future) -> None:
         with self.lock:
-            self.running -= 1
+            self.unended.discard(future)
             if not self.starting:  # else this thread is inside _start_more, whose loop goes on
                 self._start_more()
 
@@ -297,6 +297,7 @@ class Fetch:
                 _serve(name, start, end, body, pending, assembling)
                 del body  # consumers copy what they keep: the region is the next request's
                 with self.lock:
+                    self.unended.discard(future)  # its callback may not have run yet
                     self.bodies.give_back()
                     self._start_more()
         finally:
