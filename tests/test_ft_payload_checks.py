@@ -19,43 +19,22 @@ from __future__ import annotations
 import copy
 import json
 import random
-import threading
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_fsdp._fronts import replica
 from lightning_fsdp._fronts.replica_checkpoint import STATE_KEY, restore_replica_state
 from lightning_fsdp.engine.fault_tolerance import heal
 from lightning_fsdp.engine.fault_tolerance.config import FaultToleranceError
 from lightning_fsdp.engine.fault_tolerance import transport as T
+from test_ft_transport import pair  # its two-rank gloo group in threads
 
 pytestmark = pytest.mark.single_process
 
 TIMEOUT = timedelta(seconds=30)  # bounds a hang only: a transfer here takes milliseconds
 LAYOUT = {"digest": "0", "entries": []}
-
-
-def pair(sender, receiver) -> list:
-    """``sender(pg)`` as rank 0 and ``receiver(pg)`` as rank 1 of a 2-rank gloo group in two threads: each one's
-    result or exception."""
-    store, results = dist.HashStore(), [None, None]
-
-    def run(rank, fn):
-        try:
-            results[rank] = fn(dist.ProcessGroupGloo(store, rank, 2, TIMEOUT))
-        except BaseException as err:  # handed to the test, which checks its type
-            results[rank] = err
-
-    threads = [threading.Thread(target=run, args=(r, f), daemon=True) for r, f in enumerate((sender, receiver))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * TIMEOUT.total_seconds())
-        assert not t.is_alive(), "a transfer hung past the group's timeout"
-    return results
 
 
 def header(specs, tree, step=3) -> bytes:
