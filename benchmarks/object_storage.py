@@ -46,7 +46,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rows import emit, figure  # noqa: E402
@@ -190,6 +190,24 @@ def serve(fast_ranges: bool = True) -> tuple[Any, str]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host, port = server.server_address[:2]
     return server, f"http://{host}:{port}"
+
+
+def launch_on_server(argv: list[str], extra_env: Optional[dict[str, str]] = None) -> None:
+    """For the profilers: this module's server (in this process, with the bucket), then two ranks of ``argv`` under
+    torchrun, signing as the benchmark's ranks do; the server stops when they have ended."""
+    import boto3
+
+    server, endpoint = serve(True)
+    try:
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true", **(extra_env or {})}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv],
+                       check=True, env=env)
+    finally:
+        server.shutdown()
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,21 +28,9 @@ sys.path.insert(0, str(HERE))
 
 def _serve_and_launch() -> None:
     """The S3 server in this process, the two ranks under torchrun, signing as the benchmark's ranks do."""
-    import boto3
-
     import object_storage as bench
 
-    server, endpoint = bench.serve(True)
-    try:
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                     region_name="us-east-1").create_bucket(Bucket=bench.BUCKET)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_EC2_METADATA_DISABLED": "true", "PROFILE_ASYNC_URL": f"s3://{bench.BUCKET}/async-{os.getpid()}"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        __file__], check=True, env=env)
-    finally:
-        server.shutdown()
+    bench.launch_on_server([__file__], {"PROFILE_ASYNC_URL": f"s3://{bench.BUCKET}/async-{os.getpid()}"})
 
 
 def main() -> None:

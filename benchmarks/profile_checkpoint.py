@@ -59,19 +59,7 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    server, endpoint = bench.serve(True)
-    try:
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                     region_name="us-east-1").create_bucket(Bucket=bench.BUCKET)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_EC2_METADATA_DISABLED": "true"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                        "--worker", *sys.argv[1:]], check=True, env=env)
-    finally:
-        server.shutdown()
+    bench.launch_on_server([__file__, "--worker", *sys.argv[1:]])
 
 
 def _worker(args: argparse.Namespace) -> None:
