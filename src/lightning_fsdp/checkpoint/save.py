@@ -203,8 +203,8 @@ def _prepare(
         if comm.global_rank == 0 and getattr(store, "remote", False):
             # Rank 0's reads of a bucket, side by side: the target's checks and the commit orders of its directory
             # are a few round trips each, on the path of every save and of a background save's call.
-            _side_by_side(lambda: store.check_target(target, 0),
-                          lambda: _count_above_the_directory(store, target, storage_options))
+            remote_clean.side_by_side(lambda read: read(), [lambda: store.check_target(target, 0),
+                                      lambda: _count_above_the_directory(store, target, storage_options)], 2)
         else:
             store.check_target(target, comm.global_rank)
             if comm.global_rank == 0:
@@ -220,27 +220,6 @@ def _prepare(
         store.discard(staged, comm.global_rank)  # e.g. a `meta.pt` that did not fit must not stay behind
         raise
     return target, staged, save_id
-
-
-def _side_by_side(first: Callable[[], Any], second: Callable[[], Any]) -> None:
-    """Run ``first`` here and ``second`` in a thread at the same time; raise the first one's error, else the
-    second's, once both have ended."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            second()
-        except BaseException as err:  # noqa: BLE001 - raised on the calling thread below
-            failed.append(err)
-
-    thread = threading.Thread(target=run, name="lightning-fsdp-save-checks", daemon=True)
-    thread.start()
-    try:
-        first()
-    finally:
-        thread.join()
-    if failed:
-        raise failed[0]
 
 
 def _count_above_the_directory(store: Any, target: Target, storage_options: Optional[dict[str, Any]]) -> None:
