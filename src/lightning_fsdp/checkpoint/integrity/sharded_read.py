@@ -13,7 +13,7 @@ from typing import IO, Any, Callable, Optional, Union
 from torch.futures import Future
 
 from lightning_fsdp._base.compat import DCP_READER_ITEM_VIEW
-from lightning_fsdp._base.seekable import SizedReader
+from lightning_fsdp._base.seekable import BlockReader
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import (
@@ -221,7 +221,7 @@ _READ_PIECE = 2**20
 _BLOCK = 8 * 2**10
 
 
-class _ItemSlice(SizedReader):
+class _ItemSlice(BlockReader):
     """One item of a shard file, as a file of its own for DCP's reader, that hashes the item's bytes in order
     without reading them twice.
 
@@ -233,54 +233,36 @@ class _ItemSlice(SizedReader):
     """
 
     def __init__(self, fd: int, offset: int, length: int, check: _ItemCheck) -> None:
-        super().__init__()
+        super().__init__()  # its blocks start at offsets within the item
         self._fd, self._base, self._length, self._check = fd, offset, length, check
         self._pos = self._hashed = 0
-        self._blocks: list[tuple[int, bytes]] = []  # (start in the item, bytes): the two most recently read
 
     def _extent(self) -> int:
         return self._length
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), self._length - self._pos)
-        if want <= 0:
-            return 0
+    def _fill(self, view: memoryview, want: int) -> int:
         if want < _HASH_AS_READ:
-            count = self._read_small(view, want)
-        else:
-            if self._pos >= self._hashed:
-                self._catch_up(self._pos)
-            hashing = self._hashed == self._pos
-            count = 0
-            while count < want:
-                end = min(want, count + _READ_PIECE)
-                piece = os.preadv(self._fd, [view[count:end]], self._base + self._pos + count)
-                if not piece:
-                    break
-                if hashing:
-                    self._check.hasher.update(view[count:count + piece])
-                count += piece
+            return super()._fill(view, want)  # through the two cached blocks
+        if self._pos >= self._hashed:
+            self._catch_up(self._pos)
+        hashing = self._hashed == self._pos
+        count = 0
+        while count < want:
+            end = min(want, count + _READ_PIECE)
+            piece = os.preadv(self._fd, [view[count:end]], self._base + self._pos + count)
+            if not piece:
+                break
             if hashing:
-                self._hashed += count
-        self._pos += count
+                self._check.hasher.update(view[count:count + piece])
+            count += piece
+        if hashing:
+            self._hashed += count
         return count
 
-    def _read_small(self, view: memoryview, want: int) -> int:
-        data, start = self._block_at(self._pos, want)
-        count = max(0, min(want, start + len(data) - self._pos))
-        view[:count] = data[self._pos - start:self._pos - start + count]
-        return count
-
-    def _block_at(self, position: int, want: int) -> tuple[bytes, int]:
-        """Cached bytes from ``position`` on: at least ``want`` of them unless the item ends first."""
-        for start, data in self._blocks:
-            if start <= position and position + want <= start + len(data):
-                return data, start
+    def _fetch_block(self, position: int, want: int) -> tuple[int, bytes]:
         start = position - position % 4096
-        data = os.pread(self._fd, min(max(_BLOCK, position + want - start), self._length - start), self._base + start)
-        self._blocks = [(start, data), *self._blocks[:1]]
-        return data, start
+        return start, os.pread(self._fd, min(max(_BLOCK, position + want - start), self._length - start),
+                               self._base + start)
 
     def read(self, size: Optional[int] = -1) -> bytes:
         want = self._length - self._pos if size is None or size < 0 else min(size, self._length - self._pos)

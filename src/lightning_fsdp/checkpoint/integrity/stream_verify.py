@@ -21,7 +21,7 @@ import struct
 import zipfile
 from typing import Any, Callable, Iterator, Optional, Protocol
 
-from lightning_fsdp._base.seekable import SizedReader
+from lightning_fsdp._base.seekable import BlockReader
 from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME, METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity import sharded_read, zipfiles
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError, unreadable
@@ -230,7 +230,7 @@ def _archive(objects: Objects, name: str) -> Iterator[zipfile.ZipFile]:
         raise unreadable(objects.where(name), err) from err
 
 
-class _RangeFile(SizedReader):
+class _RangeFile(BlockReader):
     """One object as a seekable file for ``zipfile``, read by ranges. A zip reader reads its end (the directory)
     and a few records; the end is fetched once (the last 1 MiB), other reads in 64 KiB blocks, the two last kept."""
 
@@ -242,27 +242,12 @@ class _RangeFile(SizedReader):
         self._objects, self._name = objects, name
         self._size = objects.size(name)
         self._pos = 0
-        self._blocks: list[tuple[int, bytes]] = []
         self.failure: Optional[OSError] = None
 
     def _extent(self) -> int:
         return self._size
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        want = min(len(view), self._size - self._pos)
-        if want <= 0:
-            return 0
-        data, start = self._block(self._pos, want)
-        count = max(0, min(want, start + len(data) - self._pos))
-        view[:count] = data[self._pos - start:self._pos - start + count]
-        self._pos += count
-        return count
-
-    def _block(self, position: int, want: int) -> tuple[bytes, int]:
-        for start, data in self._blocks:
-            if start <= position and position + want <= start + len(data):
-                return data, start
+    def _fetch_block(self, position: int, want: int) -> tuple[int, bytes]:
         if not self._blocks and self._size - position <= self._TAIL:  # the first read: the end, in one request
             start = max(0, self._size - self._TAIL)
         else:
@@ -273,8 +258,7 @@ class _RangeFile(SizedReader):
         except OSError as err:  # the store could not be read: kept, since zipfile turns it into "not a zip file"
             self.failure = err
             raise
-        self._blocks = [(start, data), *self._blocks[:1]]
-        return data, start
+        return start, data
 
 
 # ------------------------------------------------------------------------------------------------- the one pass
