@@ -45,14 +45,13 @@ from lightning_fsdp.checkpoint.convert import (
     describe,
     export_prefix,
     open_checkpoint,
-    parse_size,
     source_commit_order,
 )
 from lightning_fsdp.checkpoint.integrity.agreement import CheckpointError
 from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
 from lightning_fsdp.checkpoint.integrity.verify import verify_checkpoint
 from lightning_fsdp.checkpoint.io.store import store_for
-from lightning_fsdp.planner.command import add_plan_command
+from lightning_fsdp.planner.command import add_plan_command, byte_size, positive_int
 
 __all__ = ["main"]
 
@@ -151,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", required=True, choices=FORMATS,
                       help="full: one torch.save file; sharded: a DCP directory plus meta.pt; safetensors: model"
                            " weights only, one file if DST ends in .safetensors, else a directory")
-    conv.add_argument("--max-shard-size", type=_size, metavar="SIZE",
+    conv.add_argument("--max-shard-size", type=byte_size, metavar="SIZE",
                       help="safetensors only: split the weights into shards of at most SIZE (e.g. 500MB, 2GiB) plus"
                            " model.safetensors.index.json; peak memory is about one shard")
     conv.add_argument("--model", metavar="KEY",
@@ -187,27 +186,16 @@ def _parser() -> argparse.ArgumentParser:
                                             " meet at each step (torchft's quorum server), until Ctrl-C or SIGTERM."
                                             " It prints its address: give it to every group as TORCHFT_LIGHTHOUSE."
                                             " Needs the [ft] extra.")
-    house.add_argument("--min-replicas", type=_positive, required=True, metavar="N",
+    house.add_argument("--min-replicas", type=positive_int("--min-replicas 2"), required=True, metavar="N",
                        help="the fewest replica groups a quorum needs to go on")
     house.add_argument("--bind", default="[::]:29510", metavar="HOST:PORT",
                        help="where to listen. Default: [::]:29510 (port 0: any free port)")
-    house.add_argument("--join-timeout-ms", type=_positive, default=60_000, metavar="MS",
+    house.add_argument("--join-timeout-ms", type=positive_int("--join-timeout-ms 60000"), default=60_000, metavar="MS",
                        help="how long a quorum waits for groups beyond --min-replicas. Default: 60000")
-    house.add_argument("--heartbeat-timeout-ms", type=_positive, default=5_000, metavar="MS",
-                       help="how long a silent group still counts as live. Default: 5000")
+    house.add_argument("--heartbeat-timeout-ms", type=positive_int("--heartbeat-timeout-ms 5000"), default=5_000,
+                       metavar="MS", help="how long a silent group still counts as live. Default: 5000")
     house.set_defaults(run=_lighthouse)
     return parser
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a whole number of at least 1. HINT: e.g."
-                                         " --min-replicas 2")
-    return value
 
 
 def _lighthouse(args: argparse.Namespace) -> int:
@@ -285,13 +273,6 @@ def _readable(path: str, options: Optional[dict[str, Any]]) -> Iterator[str]:
             raise
     else:
         opened.__exit__(None, None, None)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except UsageError as err:
-        raise argparse.ArgumentTypeError(str(err).rstrip(".")) from err
 
 
 def _inspect(args: argparse.Namespace) -> int:

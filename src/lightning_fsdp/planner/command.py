@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from lightning_fsdp.checkpoint.convert import UsageError, parse_size
 
-__all__ = ["add_plan_command"]
+__all__ = ["add_plan_command", "positive_int", "byte_size"]
 
 
 def add_plan_command(commands: Any) -> None:
@@ -42,9 +42,9 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--inputs", required=True, metavar="MODULE:FACTORY",
                       help="a callable returning one rank's batch: a tensor, a tuple (positional arguments) or a dict"
                            " (keyword arguments)")
-    plan.add_argument("--world-size", required=True, type=_positive_int, metavar="N",
+    plan.add_argument("--world-size", required=True, type=positive_int("--world-size 8"), metavar="N",
                       help="the number of ranks (processes) of the run, over all nodes; an integer >= 1")
-    plan.add_argument("--num-nodes", type=_positive_int, default=1, metavar="N",
+    plan.add_argument("--num-nodes", type=positive_int("--num-nodes 2"), default=1, metavar="N",
                       help="the number of nodes the ranks are spread over; an integer >= 1 (default: 1)")
     plan.add_argument("--sharding-strategy", default="FULL_SHARD", metavar="STRATEGY",
                       help=f"one of {strategies} (any case; default: FULL_SHARD)")
@@ -63,18 +63,19 @@ def add_plan_command(commands: Any) -> None:
     plan.add_argument("--device-mesh", type=_mesh, metavar="REPLICATE,SHARD",
                       help="the 2-D mesh of HYBRID_SHARD: replica groups, then ranks per shard group, e.g. 2,4"
                            " (default: one shard group of all ranks)")
-    plan.add_argument("--tensor-parallel-size", type=_positive_int, metavar="K",
+    plan.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size 2"), metavar="K",
                       help="ranks per tensor-parallel group, a divisor of --world-size; the mesh becomes (shard, tp)"
                            " (default: 1, no tensor parallelism)")
     plan.add_argument("--tensor-parallel-plan", metavar="auto|JSON|MODULE:NAME",
                       help="what to split over each group: 'auto' (a Hugging Face model's own tp_plan), a JSON mapping"
                            """ of module-name patterns to styles, e.g. '{"blocks.*.mlp.up": "colwise"}', or a dict or"""
                            " callable (module, tp_mesh) named as mypkg.plans:PLAN or path/to/file.py:PLAN")
-    plan.add_argument("--accumulate-grad-batches", type=_positive_int, default=1, metavar="N",
+    plan.add_argument("--accumulate-grad-batches", type=positive_int("--accumulate-grad-batches 4"), default=1,
+                      metavar="N",
                       help="batches per optimizer step, as Trainer(accumulate_grad_batches=N); an integer >= 1")
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
                       help="the optimizer whose states are planned: adamw, adam or sgd (default: adamw)")
-    plan.add_argument("--memory-budget", type=_budget, metavar="BYTES",
+    plan.add_argument("--memory-budget", type=byte_size, metavar="BYTES",
                       help="per-rank budget (e.g. 80GB, 70GiB or bytes): if the plan does not fit, plan what would")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.set_defaults(run=_run)
@@ -254,14 +255,33 @@ def _import_failed(spec: str, option: str, err: BaseException) -> str:
             " module must succeed on its own; `python -c 'import MODULE'` (or running the file) shows the traceback.")
 
 
-def _positive_int(text: str) -> int:
+# The option types of the whole command: `plan`'s here, and `cli.py`'s other commands import them (cli.py imports this
+# module, never the other way round).
+
+
+def positive_int(example: str) -> Callable[[str], int]:
+    """The ``type=`` of an option that takes a whole number >= 1; ``example`` is that option with a good value, for
+    the HINT (argparse names the option in front of the message)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a whole number of at least 1. HINT:"
+                                             f" e.g. {example}")
+        return value
+
+    return parse
+
+
+def byte_size(text: str) -> int:
+    """The ``type=`` of an option that takes a size in bytes (``500MB``, ``2GiB``): :func:`parse_size`."""
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1. HINT: pass a whole number, e.g. 8.")
-    return value
+        return parse_size(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -293,13 +313,6 @@ def _reshard(text: str) -> Any:
     except json.JSONDecodeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not true, false, an int or a JSON mapping. HINT: e.g."
                                          """ '{"root": true, "Block": 2}' (keys and strings in double quotes).""") from None
-
-
-def _budget(text: str) -> int:
-    try:
-        return parse_size(text)
-    except UsageError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _as_option_message(message: str) -> str:
