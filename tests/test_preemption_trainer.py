@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import forkserver
-from launch import WORKERS, free_port, torchrun, worker_env
+from launch import WORKERS, early, free_port, start_early, torchrun, worker_env
 from test_preemption import LAUNCH_LIMIT_S, PG_TIMEOUT_S, _wait, assert_same_weights
 
 # Two-rank Trainer runs, killed, requeued and resumed: both cores stay busy (conftest.py runs such tests late).
@@ -28,32 +28,56 @@ SIGUSR1_EXIT = 138  # 128 + SIGUSR1
 JOB_ID = "4242"
 
 
-@pytest.fixture(scope="module")
-def fake_scontrol(tmp_path_factory) -> Path:
-    """A folder holding a fake ``scontrol`` that records its arguments in ``$LFSDP_PRE_ROOT/scontrol.log``: one
-    folder for every run, so that every run has the same ``PATH`` and the same warm server forks its ranks (a new
-    ``PATH`` is a new environment, whose first ranks run as real processes: tests/forkserver)."""
-    bin_dir = tmp_path_factory.mktemp("fake_slurm_bin")
+def _make_fake_scontrol(bin_dir: Path) -> Path:
+    """``bin_dir`` with a fake ``scontrol`` that records its arguments in ``$LFSDP_PRE_ROOT/scontrol.log``."""
     script = bin_dir / "scontrol"
     script.write_text('#!/bin/sh\necho "$@" >> "$LFSDP_PRE_ROOT/scontrol.log"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return bin_dir
 
 
+def _srun_env(root: Path, bin_dir: Path, rank: int, port: str, **extra: str) -> dict[str, str]:
+    """The environment of rank ``rank`` of a simulated ``srun``: SLURM's variables, none of torchrun's."""
+    env = worker_env(root / "out", LFSDP_PRE_ROOT=str(root), LFSDP_TEST_PG_TIMEOUT=PG_TIMEOUT_S, **extra)
+    for name in [k for k in env if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+                 or k.startswith("TORCHELASTIC") or k.startswith("SLURM_")]:
+        del env[name]
+    env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
+               SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
+               SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    return env
+
+
+@start_early
+def _warm_server_for_the_job(folder: Path) -> tuple[Path, str | None]:
+    """The fake ``scontrol``'s folder, made ahead of the tests (``launch.start_early``), and a warm server for the
+    simulated job's environment started at once, in the background. The SLURM variables and that ``PATH`` are an
+    environment of their own (tests/forkserver): without this, the first job's two ranks ran as real processes (4 to
+    5 s of imports each, the summary's "2 x preempt_trainer.py") and a server was started at the second request
+    anyway; now its imports happen once, beside the earlier tests, and every rank of every job is forked."""
+    bin_dir = _make_fake_scontrol(folder)
+    server = forkserver.prewarm(_srun_env(folder, bin_dir, 0, "0"))  # a forked rank sets its own SLURM_PROCID again
+    return bin_dir, server
+
+
+@pytest.fixture(scope="module")
+def fake_scontrol(tmp_path_factory) -> Path:
+    """The folder holding the fake ``scontrol`` (:func:`_warm_server_for_the_job`): one folder for every run, so that
+    every run has the same ``PATH`` and the same warm server forks its ranks (a new ``PATH`` is a new environment,
+    whose first ranks run as real processes: tests/forkserver)."""
+    bin_dir, server = early(__name__) or _warm_server_for_the_job(tmp_path_factory.mktemp("fake_slurm_bin"))
+    # Started long before in a whole run, it serves already; in a run of this file alone, the wait is the imports
+    # that the first job's ranks would otherwise pay each, in real processes.
+    forkserver.wait_until_serving(server)
+    return bin_dir
+
+
 def srun(root: Path, bin_dir: Path, **extra: str) -> tuple[list[int], str]:
     port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = worker_env(root / "out", LFSDP_PRE_ROOT=str(root), LFSDP_TEST_PG_TIMEOUT=PG_TIMEOUT_S, **extra)
-        for name in [k for k in env if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-                     or k.startswith("TORCHELASTIC") or k.startswith("SLURM_")]:
-            del env[name]
-        env.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0",
-                   SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train",
-                   SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
-        procs.append(subprocess.Popen([forkserver.python(), str(WORKERS / "preempt_trainer.py")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = [subprocess.Popen([forkserver.python(), str(WORKERS / "preempt_trainer.py")],
+                              env=_srun_env(root, bin_dir, rank, port, **extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     return _wait(procs)
 
 
