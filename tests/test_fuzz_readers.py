@@ -586,15 +586,21 @@ def test_command_prints_one_line_and_exits_2_for_damaged_metadata(files, tmp_pat
 
 
 def test_the_installed_command_prints_one_line_and_exits_2(files, tmp_path):
-    """The issue's reproduction as a user runs it: `python -m lightning_fsdp inspect DIR`, a process of its own."""
+    """The issue's reproduction as a user runs it: `python -m lightning_fsdp inspect DIR`, a process of its own. It
+    is forked from a warm server (``forkserver.python()`` in the launches' environment, ``worker_env``, whose server
+    the suite starts when collection ends: this test runs early, before any other environment has one): its exit
+    status, output and warnings are its own process's, and it skips the 4 s of imports of a real interpreter, which
+    this check is not about (``tests/test_cli.py`` runs the installed entry points as real processes)."""
     import subprocess
-    import sys
+
+    import forkserver
+    from launch import worker_env
 
     case = tmp_path / "ck"
     shutil.copytree(files["sharded"], case)
     (case / ".metadata").write_bytes(b"\x00garbage" * 10)
-    run = subprocess.run([sys.executable, "-m", "lightning_fsdp", "inspect", str(case)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run([forkserver.python(), "-m", "lightning_fsdp", "inspect", str(case)], capture_output=True,
+                         text=True, timeout=120, env=worker_env(tmp_path / "out"))
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     assert len(run.stderr.strip().splitlines()) == 1 and str(case / ".metadata") in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr and not run.stdout
