@@ -172,16 +172,20 @@ def _load_sharded(
     read_whole: Optional[Callable[[str], bool]],
 ) -> dict[str, Any]:
     meta_file = source / METADATA_FILENAME
+    # It checks every item as it reads; from a bucket, each rank reads only its own items' byte ranges (issue 43).
+    reader = _sharded_reader(source, weights_only)
 
     def read_metadata() -> tuple[dict[str, Any], set[str], dict[str, Any], dict[str, Any], Any]:
         # Every file must belong to this save before any is used (`.metadata` decides where bytes go, `meta.pt`
-        # holds the step); then meta.pt's own zip records are checked.
-        if not check_files(source) and comm.global_rank == 0:
+        # holds the step); then meta.pt's zip records. From a bucket the reader checks with `.metadata` parsed once.
+        adopted = reader.adopt_metadata() if weights_only and isinstance(reader, StreamingReader) else None
+        verified, parsed = adopted or (check_files(source), None)
+        if not verified and comm.global_rank == 0:
             note_unverified(source)
         if meta_file.is_file():
             verify_zip(meta_file)  # a torch.save file: its zip records carry CRC-32s
         metadata = _torch_load(meta_file, weights_only) if meta_file.is_file() else {}
-        dcp_metadata = load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
+        dcp_metadata = parsed or load_dcp_metadata(source / DCP_METADATA_FILENAME, allow_pickle=not weights_only)
         entries, paths = dcp_metadata.state_dict_metadata, dcp_metadata.planner_data or {}
         return metadata, {fqn.split(".", 1)[0] for fqn in entries} | set(metadata), entries, paths, dcp_metadata
 
@@ -216,9 +220,6 @@ def _load_sharded(
         # Only the state the checkpoint holds is read; the parameters it has none for get none (see below).
         request["state"] = {name: value for name, value in request.get("state", {}).items() if name in saved}
     planner = _LoadPlanner(weights_only=weights_only, allow_partial_load=not strict)
-    # The reader unpickles `.metadata` with the allow-list and checks every item against its checksum as it reads;
-    # from a bucket, each rank reads only the byte ranges of its own items, into memory (issue 43).
-    reader = _sharded_reader(source, weights_only)
     try:
         together(comm, f"Reading the shards of {str(source)!r}",
                  lambda: dcp.load(tensors, storage_reader=reader, planner=planner))

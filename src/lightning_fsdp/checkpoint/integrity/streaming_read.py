@@ -38,13 +38,15 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from lightning_fsdp._base.seekable import SizedReader
-from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME
+from lightning_fsdp.checkpoint.formats.layout import CHECKSUMS_FILENAME, DCP_METADATA_FILENAME
 from lightning_fsdp.checkpoint.integrity.digests import DAMAGED_HINT, ChecksumError
-from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, _ItemCheck
+from lightning_fsdp.checkpoint.integrity.safe_pickle import load_dcp_metadata
+from lightning_fsdp.checkpoint.integrity.sharded_read import VerifyingReader, _ItemCheck, _read_manifest
 
 __all__ = ["StreamingReader", "parse_payloads", "verified_items", "MIN_BLOCK", "MAX_BLOCK"]
 
@@ -125,6 +127,30 @@ class StreamingReader(VerifyingReader):
         self._metadata: Any = None
         self._payloads: Optional[dict] = None
         self._noted: Optional[tuple[list, set]] = None
+        self._adopted: Any = None  # `.metadata` as the load unpickled it (adopt_metadata), for DCP's read_metadata
+
+    def adopt_metadata(self) -> Optional[tuple[bool, Any]]:
+        """``.metadata`` unpickled with the allow-list, once, and the files checked with it (``check_files``'s check),
+        both kept for DCP's :meth:`read_metadata` and :meth:`set_up_storage_reader` (each was read two or three times
+        before the first GET). ``(whether the checkpoint carries checksums, the metadata)``; None where the bytes do
+        not unpickle: the caller's own file check then names the damage first, as it always has."""
+        try:
+            metadata = load_dcp_metadata(Path(self.path) / DCP_METADATA_FILENAME)
+        except Exception:  # noqa: BLE001 (raised again, in its place, by the caller's checks)
+            return None
+        if getattr(metadata, "storage_meta", None) is None:  # an old file: stamped as read_metadata stamps it
+            metadata.storage_meta = StorageMeta()
+        self._manifest = _read_manifest(Path(self.path), metadata)
+        self._manifest_for = metadata.storage_meta.save_id
+        self._adopted = metadata
+        return self._manifest is not None, metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        adopted, self._adopted = self._adopted, None  # once: a second load through this reader parses again
+        if adopted is None or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        adopted.storage_meta.load_id = self.load_id  # what the file reader stamps after unpickling
+        return adopted
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
