@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -255,7 +256,10 @@ class _CachedPlans(dcp.DefaultSavePlanner):
         cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
         if cached is not None and _dtypes_changed(cached, self.state_dict):
             del SavePlanner._cached_save_plan[self._cached_plans_key]
-        return super().create_local_plan()
+        # Autograd off: DCP's write items of a DTensor call its `to_local`, an autograd Function per tensor with
+        # grad mode on (the writers turn it off for their own reads, see integrity/streaming_write.py).
+        with torch.no_grad():
+            return super().create_local_plan()
 
 
 def _dtypes_changed(plan: Any, state: dict[str, Any]) -> bool:

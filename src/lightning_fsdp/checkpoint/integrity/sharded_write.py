@@ -129,7 +129,8 @@ class ChecksumWriter(dcp.FileSystemWriter):
         seed = seed_of(self._save_id)
         self._recording.start(lambda: new_hasher(seed))
         try:
-            results = super().write_data(plan, planner).wait()
+            with torch.no_grad():  # DCP's `resolve_data`: a DTensor's `to_local` skips autograd (see streaming_write)
+                results = super().write_data(plan, planner).wait()
         except BaseException as err:
             self._recording.raise_recorded(err)
             raise

@@ -176,6 +176,14 @@ class StreamingWriter(ChecksumWriter):
         return plan
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        # Autograd off (grad mode is per thread: a background save writes on a thread of its own): a DTensor's
+        # `to_local`, in DCP's `resolve_data` of every item, otherwise goes through an autograd Function; with the
+        # planner's (save._CachedPlans) about a tenth of a save's main-thread samples under py-spy
+        # (benchmarks/profile_checkpoint.py --mode save --py-spy FILE).
+        with torch.no_grad():
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: Any, planner: Any) -> Future:
         seed_of, new_hasher = ALGORITHMS[self._algorithm]
         seed = seed_of(self._save_id)
         self._recording.start(lambda: new_hasher(seed))  # the local files `finish` writes go through it
