@@ -188,8 +188,7 @@ _DATA = _Indices(6)
     (RandomSampler(_DATA, generator=torch.Generator().manual_seed(0)), "RandomSampler"),
     (_wrapper(SubsetRandomSampler(range(6))), "DistributedSamplerWrapper(SubsetRandomSampler)"),
     (_ShuffledDistributedSampler(_DATA, num_replicas=1, rank=0), "_ShuffledDistributedSampler"),
-    (CursorSampler(RandomSampler(_DATA)), "RandomSampler"),
-], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order", "cursor-over-random"])
+], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order"])
 def test_a_sampler_whose_order_is_not_fixed_by_the_epoch_is_refused_with_the_fix(sampler, shown):
     """F4: a healed group draws such an order anew at the heal, from a generator in another state than the live ones:
     8 of 8 heals of a RandomSampler, 5 of 8 of a seeded one, trained on other samples than the live run."""
@@ -198,6 +197,21 @@ def test_a_sampler_whose_order_is_not_fixed_by_the_epoch_is_refused_with_the_fix
                                          r" whose order depends only on the epoch.*HINT: use DistributedSampler\("
                                          r"dataset, shuffle=True, seed=\.\.\.\)"):
         LoopPosition(None).wrap_training_loader(DataLoader(_DATA, batch_size=2, sampler=sampler))
+
+
+@pytest.mark.parametrize("sampler, shown", [
+    (RandomSampler(_DATA), "RandomSampler"),
+    (RandomSampler(_DATA, generator=torch.Generator().manual_seed(0)), "RandomSampler"),
+    (_wrapper(SubsetRandomSampler(range(6))), "DistributedSamplerWrapper(SubsetRandomSampler)"),
+    (_ShuffledDistributedSampler(_DATA, num_replicas=1, rank=0), "_ShuffledDistributedSampler"),
+], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order"])
+def test_a_fabric_scripts_cursor_over_a_sampler_not_fixed_by_the_epoch_is_refused_with_the_fix(sampler, shown):
+    """The Fabric front: a script builds its CursorSampler itself, so the class refuses such a sampler as the Trainer
+    does (it took any, and a heal then trained on other samples than the live groups')."""
+    with pytest.raises(ValueError, match=rf"Invalid `sampler='{re.escape(shown)}'`\. A healed group draws the"
+                                         r" sampler's order anew at the heal.*HINT: build it with"
+                                         r" `fault_tolerant_sampler\("):
+        CursorSampler(sampler)
 
 
 def test_samplers_whose_order_is_fixed_by_the_epoch_are_read_through_the_cursor():

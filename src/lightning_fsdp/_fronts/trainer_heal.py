@@ -57,7 +57,7 @@ from lightning_fsdp._base.compat import TRAINER_FIT_RUN, trainer_fit_loop
 from lightning_fsdp._base.errors import bad_argument
 from lightning_fsdp._fronts.patching import wrap_once
 from lightning_fsdp.engine.fault_tolerance.config import FaultToleranceError
-from lightning_fsdp.engine.fault_tolerance.data import CursorSampler, DataCursor, order_fixed_by_epoch
+from lightning_fsdp.engine.fault_tolerance.data import CursorSampler, DataCursor, order_fixed_by_epoch, sampler_name
 
 __all__ = ["LoopPosition", "apply_heal_now", "register"]
 
@@ -200,7 +200,7 @@ class LoopPosition:
             inner = inner.sampler
         if not order_fixed_by_epoch(inner):
             raise ValueError(bad_argument(
-                "train_dataloaders", f"{type(dataloader).__name__}(sampler={_sampler_name(inner)})",
+                "train_dataloaders", f"{type(dataloader).__name__}(sampler={sampler_name(inner)})",
                 "a training sampler whose order depends only on the epoch: SequentialSampler, DistributedSampler"
                 " (Lightning injects one when `use_distributed_sampler=True`), or Lightning's"
                 " DistributedSamplerWrapper over one of these",
@@ -285,11 +285,6 @@ def _copy_reading_from(dataloader: Any, batch_sampler: BatchSampler) -> Any:
     # A built DataLoader refuses a new batch sampler through its `__setattr__`; the copy's attributes are its own.
     vars(twin).update(batch_sampler=batch_sampler, _iterator=None)
     return twin
-
-
-def _sampler_name(sampler: Any) -> str:
-    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
-    return f"{type(sampler).__name__}({_sampler_name(inner)})" if inner is not None else type(sampler).__name__
 
 
 def _finished(fit_loop: Any) -> bool:

@@ -22,7 +22,8 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, SequentialSam
 
 from lightning_fsdp._base.errors import bad_argument
 
-__all__ = ["CursorSampler", "DataCursor", "fault_tolerant_sampler", "order_fixed_by_epoch", "replica_sampler_kwargs"]
+__all__ = ["CursorSampler", "DataCursor", "fault_tolerant_sampler", "order_fixed_by_epoch", "replica_sampler_kwargs",
+           "sampler_name"]
 
 
 class DataCursor:
@@ -86,6 +87,18 @@ class CursorSampler(Sampler[int]):
             raise TypeError(bad_argument(
                 "sampler", sampler, "a sampler with a length (a map-style dataset's sampler)",
                 "Use a map-style dataset; an IterableDataset cannot be cut into shares by index.",
+            ))
+        if not order_fixed_by_epoch(sampler):
+            # The Trainer refuses such a loader (`_fronts.trainer_heal`); a Fabric script builds this class itself.
+            raise ValueError(bad_argument(
+                "sampler", sampler_name(sampler),
+                "a sampler whose order depends only on the epoch: SequentialSampler, DistributedSampler (torchft's"
+                " is one), or Lightning's DistributedSamplerWrapper over one of these",
+                "build it with `fault_tolerant_sampler(dataset, ..., shuffle=True, seed=...)`, which shuffles by"
+                " seed and epoch, or wrap a DistributedSampler(dataset, shuffle=True, seed=...)",
+                problem="A healed group draws the sampler's order anew at the heal, and only an order fixed by the"
+                        " epoch is the live groups' order there (a random sampler's depends on its generator's past"
+                        " draws): it would train on other samples than theirs",
             ))
         self.sampler = sampler
         self.cursor = cursor if cursor is not None else DataCursor()
@@ -194,6 +207,12 @@ def fault_tolerant_sampler(
     kwargs = replica_sampler_kwargs(replica_id, num_replica_groups, group_rank, group_size)
     base = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
     return CursorSampler(base, cursor)
+
+
+def sampler_name(sampler: Any) -> str:
+    """The sampler's class, with the ones it wraps: what an error shows of a sampler (its repr is an address)."""
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+    return f"{type(sampler).__name__}({sampler_name(inner)})" if inner is not None else type(sampler).__name__
 
 
 def _check_count(name: str, value: Any) -> None:
