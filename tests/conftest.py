@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -108,8 +109,11 @@ def pytest_runtest_setup(item):
 
 
 def pytest_sessionfinish(session):
-    """Kill the background runs that no test waited for (a session stopped early: ``-x``, an interrupt)."""
+    """Kill the background runs that no test waited for (a session stopped early: ``-x``, an interrupt), and stop the
+    S3 server where a pool started it without the ``s3_server`` fixture (``s3server.pool_env``)."""
     launch.stop_background()
+    if "s3server" in sys.modules:
+        sys.modules["s3server"].stop()
 
 
 # LFSDP_TEST_TIMELINE=<file>: one line per test, "<start s> <duration s> <busy %> <test id>", where busy is how much

@@ -94,9 +94,26 @@ def server() -> S3Server:
         return _SERVER
 
 
+_POOL_BUCKET: str | None = None
+
+
+def pool_env() -> dict[str, str]:
+    """The environment of the launch pool whose scripts save and load against this server
+    (``launch.case_tests(..., env_from=s3server.pool_env)``): :attr:`S3Server.env` and one bucket, made once, in which
+    each case works under a prefix of its own. Called when that pool's turn comes in the pools' background thread,
+    after collection: this starts the server then, not at import."""
+    global _POOL_BUCKET
+    found = server()
+    with _LOCK:
+        if _POOL_BUCKET is None:
+            _POOL_BUCKET = found.bucket()
+        return {**found.env, "LFSDP_TEST_BUCKET": _POOL_BUCKET}
+
+
 def stop() -> None:
-    global _SERVER
+    global _SERVER, _POOL_BUCKET
     with _LOCK:
         if _SERVER is not None:
             _SERVER.stop()
             _SERVER = None
+            _POOL_BUCKET = None

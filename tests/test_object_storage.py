@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch import launch, torchrun, worker_env
+import s3server
+from launch import case_tests, torchrun, worker_env
 from lightning_fsdp.checkpoint.io.one_process import OneProcess
 
 CASES = [
@@ -21,20 +22,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def s3_env(s3_server):
-    """The session's S3 server (``tests/s3server.py``), a fresh bucket of this module's for the workers."""
-    return {**s3_server.env, "LFSDP_TEST_BUCKET": s3_server.bucket()}
-
-
-@pytest.fixture(scope="module")
-def results(s3_env, tmp_path_factory):
-    return launch("object_storage.py", 2, tmp_path_factory.mktemp("object_storage"), **s3_env)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_two_ranks_against_s3(results, name):
-    results.check(name)
+# In the launch pool of the scripts that work against the session's S3 server (``s3server.pool_env``, which starts the
+# server when the pool's turn comes, in the background): with ``workers/streaming_full.py``, one launch for both.
+results, test_two_ranks_against_s3 = case_tests("object_storage.py", 2, CASES, env_from=s3server.pool_env)
 
 
 @pytest.mark.parametrize("mode", ["new", "over"])
