@@ -167,10 +167,11 @@ _POOL_LAUNCHES: dict[tuple, tuple[Path, str, int, list[str]]] = {}
 _BACKGROUND: dict[tuple, threading.Event] = {}
 SELECTED: set[str] | None = None
 # Pools whose environment exists only once the session runs (a server the pytest process starts: the S3 server of
-# tests/s3server.py): the pool's key holds ENV_FROM=<name of a function>, and the function, called when the pool's turn
-# comes in the background thread (or when a test first needs it), gives the rest of its environment.
+# tests/s3server.py, or a file the launch reads): the pool's key holds ENV_FROM=<name of a function>, and the function,
+# called with the launch's folder when the pool's turn comes in the background thread (or when a test first needs it),
+# gives the rest of its environment.
 ENV_FROM = "LFSDP_TEST_ENV_FROM"
-_ENV_FROM: dict[str, Callable[[], dict[str, str]]] = {}
+_ENV_FROM: dict[str, Callable[[Path], dict[str, str]]] = {}
 # The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
 # such tests last).
 POOL_FIXTURES: dict[str, set[str]] = {}
@@ -321,7 +322,7 @@ def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int 
     started = time.monotonic() - _T0
     try:
         try:
-            env = _resolved(dict(key[1]))
+            env = _resolved(dict(key[1]), out)
         except Exception as err:  # noqa: BLE001 - every test of the pool fails with this, the other pools still run
             return out, f"the pool's environment could not be made ({dict(key[1]).get(ENV_FROM)}): {err!r}", None, scripts
         return _run_pool_attempts(key[0], env, out, scripts)
@@ -394,7 +395,7 @@ def _died_in(root: Path, rank: int) -> list[Path]:
             if not stacks.with_name(stacks.name.replace(".stacks.txt", ".json")).is_file()]
 
 
-def _key_env(env: dict[str, str], env_from: Callable[[], dict[str, str]] | None) -> dict[str, str]:
+def _key_env(env: dict[str, str], env_from: Callable[[Path], dict[str, str]] | None) -> dict[str, str]:
     """``env`` as a pool's key holds it: with ``env_from``'s name where one is given (registered for
     :func:`_resolved`), so that the scripts of every module naming the same function share one pool."""
     if env_from is None:
@@ -404,10 +405,14 @@ def _key_env(env: dict[str, str], env_from: Callable[[], dict[str, str]] | None)
     return {**env, ENV_FROM: name}
 
 
-def _resolved(env: dict[str, str]) -> dict[str, str]:
-    """A pool's key environment with its ``env_from`` function's variables added (:func:`_key_env`)."""
+def _resolved(env: dict[str, str], out: Path) -> dict[str, str]:
+    """A pool's key environment with the variables of its ``env_from`` function (:func:`_key_env`), called with the
+    launch's folder ``out`` (made here) for the files it may write."""
     name = env.get(ENV_FROM)
-    return {**env, **_ENV_FROM[name]()} if name else env
+    if not name:
+        return env
+    out.mkdir(parents=True, exist_ok=True)
+    return {**env, **_ENV_FROM[name](out)}
 
 
 def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]) -> Launch:
@@ -424,15 +429,18 @@ def pooled_launch(script: str, nproc: int, tmp_path_factory, env: dict[str, str]
         members = [s for s, module in _POOLS.get(key, []) if SELECTED is None or module in SELECTED]
         scripts = list(dict.fromkeys(members + [script]))
         if len(scripts) == 1:
-            return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **_resolved(env))
+            out = tmp_path_factory.mktemp(Path(script).stem)
+            return launch(script, nproc, out, **_resolved(env, out))
         _POOL_LAUNCHES[key] = run_pool(key, tmp_path_factory.mktemp(f"pool{nproc}"), scripts)
     out, log, returncode, scripts = _POOL_LAUNCHES[key]
     if script not in scripts:  # not selected when the pool started (cannot happen in one session; kept safe)
-        return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **_resolved(env))
+        out = tmp_path_factory.mktemp(Path(script).stem)
+        return launch(script, nproc, out, **_resolved(env, out))
     return Launch(out=out / Path(script).stem, world_size=nproc, log=log, returncode=returncode)
 
 
-def pooled(script: str, nproc: int, *, name: str, env_from: Callable[[], dict[str, str]] | None = None, **env: str):
+def pooled(script: str, nproc: int, *, name: str, env_from: Callable[[Path], dict[str, str]] | None = None,
+           **env: str):
     """A module-scoped fixture ``name`` giving the :class:`Launch` that ran ``script``'s cases in its pool, for a test
     file that checks the cases itself (``name.check(case)``) rather than through :func:`case_tests`; ``env_from``:
     as there."""
@@ -449,7 +457,7 @@ def pooled(script: str, nproc: int, *, name: str, env_from: Callable[[], dict[st
 
 
 def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True,
-               env_from: Callable[[], dict[str, str]] | None = None, **env: str):
+               env_from: Callable[[Path], dict[str, str]] | None = None, **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
     Use at module level: ``results, test_case = case_tests("fabric_core.py", 2, CASES)``; ``env`` goes to the
@@ -461,9 +469,10 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     the script a launch of its own: for cases that measure their process (its memory), or that the cases of other
     scripts must not share a process with (see CONTRIBUTING.md).
 
-    ``env_from``: a function that returns more of the environment when the launch starts, for what exists only once
-    the session runs (``s3server.pool_env``: the S3 server's endpoint and a bucket). It is part of the pool's key, by
-    its name: the scripts of every module that names it (with the same ``env``) share one launch.
+    ``env_from``: a function that returns more of the environment when the launch starts, called with the launch's
+    folder, for what exists only once the session runs (``s3server.pool_env``: the S3 server's endpoint and a bucket;
+    ``test_docs.py``: the file listing the snippets). It is part of the pool's key, by its name: the scripts of every
+    module that names it (with the same ``env``) share one launch.
     """
     env = _key_env(env, env_from)
     if pooled:
@@ -474,7 +483,8 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
         if not pooled:
-            return launch(script, nproc, tmp_path_factory.mktemp(Path(script).stem), **_resolved(env))
+            out = tmp_path_factory.mktemp(Path(script).stem)
+            return launch(script, nproc, out, **_resolved(env, out))
         return pooled_launch(script, nproc, tmp_path_factory, env)
 
     @pytest.mark.parametrize("name", cases)

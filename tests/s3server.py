@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from pathlib import Path
 
 _LOCK = threading.Lock()
 _SERVER: S3Server | None = None
@@ -97,11 +98,11 @@ def server() -> S3Server:
 _POOL_BUCKET: str | None = None
 
 
-def pool_env() -> dict[str, str]:
+def pool_env(out: Path | None = None) -> dict[str, str]:
     """The environment of the launch pool whose scripts save and load against this server
     (``launch.case_tests(..., env_from=s3server.pool_env)``): :attr:`S3Server.env` and one bucket, made once, in which
     each case works under a prefix of its own. Called when that pool's turn comes in the pools' background thread,
-    after collection: this starts the server then, not at import."""
+    after collection: this starts the server then, not at import. ``out`` (the launch's folder) is not needed."""
     global _POOL_BUCKET
     found = server()
     with _LOCK:

@@ -152,19 +152,17 @@ CASES = [
 ]
 
 
-def _options_only_env() -> dict[str, str]:
-    """The launch's environment: no endpoint, keys, profile or credential file (a path in a folder that does not
-    exist), so only the strategy's options (or a load's) can reach the server; the server's address and a bucket of
-    its own come as the cases' inputs. Called when its pool's turn comes (``launch.case_tests``'s ``env_from``): the
-    server starts then, in the background, and so does the launch."""
+def _options_only_env(out: Path) -> dict[str, str]:
+    """The launch's environment: no endpoint, keys, profile or credential file (a path in ``out``, the launch's
+    folder, where nothing is written), so only the strategy's options (or a load's) can reach the server; the
+    server's address and a bucket of its own come as the cases' inputs. Called when its pool's turn comes
+    (``launch.case_tests``'s ``env_from``): the server starts then, in the background, and so does the launch."""
     import os
-    import tempfile
-    import uuid
 
     removed = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
                "AWS_DEFAULT_REGION")
     assert not [name for name in removed if name in os.environ], "the pytest process itself holds AWS_* variables"
-    none = os.path.join(tempfile.gettempdir(), f"no_aws-{uuid.uuid4().hex[:8]}", "none")
+    none = str(out / "no_aws" / "none")
     server = s3server.server()
     return {"LFSDP_TEST_BUCKET": server.bucket(), "LFSDP_TEST_ENDPOINT": server.endpoint,
             "AWS_SHARED_CREDENTIALS_FILE": none, "AWS_CONFIG_FILE": none}
