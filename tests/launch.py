@@ -171,6 +171,7 @@ SELECTED: set[str] | None = None
 # called with the launch's folder when the pool's turn comes in the background thread (or when a test first needs it),
 # gives the rest of its environment.
 ENV_FROM = "LFSDP_TEST_ENV_FROM"
+ALONE = "LFSDP_TEST_ALONE"  # in a pool's key: the one script of a pool of its own (``case_tests(..., alone=True)``)
 _ENV_FROM: dict[str, Callable[[Path], dict[str, str]]] = {}
 # The fixtures that give a pool's launch, by test module: a test that uses one waits for its pool (conftest.py runs
 # such tests last).
@@ -456,7 +457,7 @@ def pooled(script: str, nproc: int, *, name: str, env_from: Callable[[Path], dic
     return fixture
 
 
-def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True,
+def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True, alone: bool = False,
                env_from: Callable[[Path], dict[str, str]] | None = None, **env: str):
     """The fixture and the parametrized test for a worker script: one launch, one pytest result per case.
 
@@ -469,12 +470,19 @@ def case_tests(script: str, nproc: int, cases: list[str], *, pooled: bool = True
     the script a launch of its own: for cases that measure their process (its memory), or that the cases of other
     scripts must not share a process with (see CONTRIBUTING.md).
 
+    ``alone=True``: a launch of the script's own, with processes of its own as ``pooled=False`` gives, but started in
+    the background with the pools (a pool of one script, ``workers/pool.py`` running it as ``__main__``), not by the
+    first test that reads it: for the scripts that must not share a process with others' cases, and need no process
+    of their own for anything else (real ranks, an exit status, signals).
+
     ``env_from``: a function that returns more of the environment when the launch starts, called with the launch's
     folder, for what exists only once the session runs (``s3server.pool_env``: the S3 server's endpoint and a bucket;
     ``test_docs.py``: the file listing the snippets). It is part of the pool's key, by its name: the scripts of every
     module that names it (with the same ``env``) share one launch.
     """
     env = _key_env(env, env_from)
+    if alone:  # its own key: no other script shares the pool
+        env = {**env, ALONE: Path(script).stem}
     if pooled:
         module = sys._getframe(1).f_globals.get("__name__", "")
         _POOLS.setdefault((nproc, tuple(sorted(env.items()))), []).append((script, module))

@@ -36,5 +36,6 @@ CASES = [
 # process, the pool's compiled Trainer case (`trainer_checkpoints.py::compiled_model_checkpoint_has_clean_keys`) died
 # in dynamo's guard building (IndexError) and took the pool's process group with it. The mechanism: dynamo traced
 # `at_rest.reshard_all`, run from a root's forward hook inside the compiled forward; it is now `torch.compiler.disable`d,
-# and the pool that failed passes. This script stays apart until the pool has run clean on that leg more than once.
-results, test_case = case_tests("full_state_load.py", 2, CASES, pooled=False)
+# and the pool that failed passes. This script stays apart until the pool has run clean on that leg more than once:
+# its own processes, started in the background with the pools (``alone=True``), not on the main process's path.
+results, test_case = case_tests("full_state_load.py", 2, CASES, alone=True)

@@ -15,5 +15,6 @@ CASES = [
 
 # A launch of its own: each case counts the live tensors of its process. In the forked 2-rank pool, that count once
 # found a whole model still alive after the pool's earlier scripts had run in the same process (not understood; with
-# real ranks, and alone, forked, it never did). Each case measures growth from its own start.
-results, test_case = case_tests("held_memory.py", 2, CASES, pooled=False)
+# real ranks, and alone, forked, it never did). Each case measures growth from its own start. Started in the
+# background with the pools (``alone=True``), not on the main process's path.
+results, test_case = case_tests("held_memory.py", 2, CASES, alone=True)
