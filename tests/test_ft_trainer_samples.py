@@ -183,12 +183,16 @@ class _ShuffledDistributedSampler(DistributedSampler):
 _DATA = _Indices(6)
 
 
-@pytest.mark.parametrize("sampler, shown", [
+# Samplers whose order is not fixed by the epoch, with how an error names them.
+_NOT_FIXED = pytest.mark.parametrize("sampler, shown", [
     (RandomSampler(_DATA), "RandomSampler"),
     (RandomSampler(_DATA, generator=torch.Generator().manual_seed(0)), "RandomSampler"),
     (_wrapper(SubsetRandomSampler(range(6))), "DistributedSamplerWrapper(SubsetRandomSampler)"),
     (_ShuffledDistributedSampler(_DATA, num_replicas=1, rank=0), "_ShuffledDistributedSampler"),
 ], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order"])
+
+
+@_NOT_FIXED
 def test_a_sampler_whose_order_is_not_fixed_by_the_epoch_is_refused_with_the_fix(sampler, shown):
     """F4: a healed group draws such an order anew at the heal, from a generator in another state than the live ones:
     8 of 8 heals of a RandomSampler, 5 of 8 of a seeded one, trained on other samples than the live run."""
@@ -199,12 +203,7 @@ def test_a_sampler_whose_order_is_not_fixed_by_the_epoch_is_refused_with_the_fix
         LoopPosition(None).wrap_training_loader(DataLoader(_DATA, batch_size=2, sampler=sampler))
 
 
-@pytest.mark.parametrize("sampler, shown", [
-    (RandomSampler(_DATA), "RandomSampler"),
-    (RandomSampler(_DATA, generator=torch.Generator().manual_seed(0)), "RandomSampler"),
-    (_wrapper(SubsetRandomSampler(range(6))), "DistributedSamplerWrapper(SubsetRandomSampler)"),
-    (_ShuffledDistributedSampler(_DATA, num_replicas=1, rank=0), "_ShuffledDistributedSampler"),
-], ids=["random", "seeded-random", "wrapped-subset-random", "distributed-subclass-own-order"])
+@_NOT_FIXED
 def test_a_fabric_scripts_cursor_over_a_sampler_not_fixed_by_the_epoch_is_refused_with_the_fix(sampler, shown):
     """The Fabric front: a script builds its CursorSampler itself, so the class refuses such a sampler as the Trainer
     does (it took any, and a heal then trained on other samples than the live groups')."""

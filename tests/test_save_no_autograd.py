@@ -12,20 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from one_rank import one_rank_group
 
 pytestmark = pytest.mark.single_process
 
 
 @pytest.fixture(scope="module")
 def one_rank():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _state() -> dict:
