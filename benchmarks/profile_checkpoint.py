@@ -19,6 +19,14 @@ with the collector paused, ``checkpoint/io/collector.py``); rank 0's ~100 small 
 through obstore). What is left of a load: DCP's planning and its gathers (~0.1 s before the first GET), the copy of
 each piece into the DTensors, and the server.
 
+Found with it (2026-11-29, 3 x 10 loads interleaved with the code before): rank 0 sent 114 ranged GETs, 103 of them
+under 64 KiB (replicated scalars DCP saved among rank 1's tensors), and ended its reads ~60 ms after rank 1: the
+server spends ~1.2 ms per request whatever its size, so more in flight did not help (4, 16, 32 small requests per
+range of the window, windows of 2 to 8 ranges of 4 to 16 MiB: all within the noise). Gaps up to 256 KiB now merge
+within 1/256 of the fetch's bytes (45 requests): load 0.364 -> 0.319 s median. Before the first GET, ``.metadata``
+was unpickled three times and the manifest read twice, and the small objects fetched one after another through
+s3fs: now once, once, and side by side through obstore: the first GET 0.081 -> 0.066 s, the load 0.377 -> 0.350 s.
+
 Save, measured on ``object_storage.py --rounds 2`` (2026-11-28, save vs a plain s3fs put, median (range); today's
 defaults 8 MiB x 4 parts: 0.41x (0.39-0.53) in 3 rounds): 16 MiB x 3 parts 0.40x (0.33-0.47), 8 MiB x 8 parts
 0.37x (0.33-0.40), both over the memory bound (0.90x and 1.01x of the shard above start; the bound is 0.88x), so
