@@ -21,8 +21,8 @@ each piece into the DTensors, and the server.
 
 Found with it (2026-11-29, 3 x 10 loads interleaved with the code before): rank 0 sent 114 ranged GETs, 103 of them
 under 64 KiB (replicated scalars DCP saved among rank 1's tensors), and ended its reads ~60 ms after rank 1: the
-server spends ~1.2 ms per request whatever its size, so more in flight did not help (4, 16, 32 small requests per
-range of the window, windows of 2 to 8 ranges of 4 to 16 MiB: all within the noise). Gaps up to 256 KiB now merge
+server spends ~1.2 ms per request whatever its size, so more in flight did not help (SMALL_REQUESTS 4, 16 or 32;
+windows of 2 to 8 ranges of 4 to 16 MiB: all within the noise). Gaps up to 256 KiB now merge
 within 1/256 of the fetch's bytes (45 requests): load 0.364 -> 0.319 s median. Before the first GET, ``.metadata``
 was unpickled three times and the manifest read twice, and the small objects fetched one after another through
 s3fs: now once, once, and side by side through obstore: the first GET 0.081 -> 0.066 s, the load 0.377 -> 0.350 s.
