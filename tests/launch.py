@@ -334,12 +334,12 @@ def run_pool(key: tuple, out: Path, scripts: list[str]) -> tuple[Path, str, int 
 def _run_pool_attempts(nproc: int, env: dict[str, str], out: Path,
                        scripts: list[str]) -> tuple[Path, str, int | None, list[str]]:
     logs, skip = [], out / "_skip.txt"
+    env = {"LFSDP_TEST_NICE": str(POOL_NICE), **env}  # a pool whose key says otherwise keeps its own niceness
     for attempt in range(1 + POOL_RESTARTS):
         extra = {"LFSDP_TEST_SKIP_FILE": str(skip)} if attempt else {}
         try:
             proc = subprocess.run(torchrun("pool.py", nproc),
-                                  env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts),
-                                                 LFSDP_TEST_NICE=str(POOL_NICE), **extra, **env),
+                                  env=worker_env(out, LFSDP_TEST_SCRIPTS=",".join(scripts), **extra, **env),
                                   capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as err:
             logs.append(f"the pool ran past {LAUNCH_TIMEOUT_S} s: {err}")
