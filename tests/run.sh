@@ -19,12 +19,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # 9 scripts) is the critical path now. The budget is that run plus the machine's spread (a fifth): 560 s. It is
 # over the 6-minute target; bring it back down rather than raising it again. Raise it only with a measurement and a
 # reason.
-# Raised on 2026-11-29: 1634 tests (100 more: the fixes of a review's findings, fault-tolerance payload and sampler
-# cases, the ranged reads' race, the obstore PUTs and the pre-save reads), pytest 558 s and the suite 575 s in one
-# clean-checkout run of `.ci/run` (the last stop: 515 s and 525 s); in that run the 4-rank pool's `faults` cases ran
-# slower than before (strict_key_mismatch 20.5 s, was 13.1 s), not yet explained. 575 s plus 8%: 620 s. A debt: the
-# next stop brings it back under 560 s.
-SUITE_BUDGET_S=620
+# Raised on 2026-11-29 to 620 s (1634 tests, pytest 558 s, suite 575 s in a clean-checkout run), as a debt; paid the
+# same day: more launches start in the background with the pools (`env_from=`, `alone=True`, CONTRIBUTING.md), and
+# the budget is 560 s again.
+SUITE_BUDGET_S=560
 
 bash "$ROOT/.ci/install.sh"
 cd "$ROOT"
