@@ -93,6 +93,36 @@ def test_a_small_object_of_another_size_than_its_commit_is_named_damaged(monkeyp
         remote_download.fetch_small(_S3Like(), "s3://b/ck", _record())
 
 
+class _S3Changed(_S3Like):
+    """The bucket's `checksums.json` is ``change`` bytes longer (or shorter) than the object COMMIT recorded, its
+    first bytes untouched: what the size check alone can catch, the digest covering only COMMIT's bytes."""
+
+    def __init__(self, change: int) -> None:
+        super().__init__()
+        self.change = change
+
+    def cat_file(self, url: str, start: int = 0, end: Any = None) -> bytes:
+        data = SMALL[url.rsplit("/", 1)[1]]
+        if url.endswith("checksums.json"):
+            data = data + b" " * self.change if self.change > 0 else data[:self.change]
+        self.gets.append(url)
+        return data[start:end]
+
+
+@pytest.mark.parametrize("change, said", [(+1, "it has more than 200 bytes"), (-1, "it has 199 bytes")],
+                         ids=["longer-than-recorded", "shorter-than-recorded"])
+def test_through_s3fs_too_a_small_object_of_another_size_than_its_commit_is_named_damaged(monkeypatch, change, said):
+    """Without the fast client (`LFSDP_S3_CLIENT=s3fs`, no obstore, or after an answer it could not place) the GET
+    of a range reads one byte more than COMMIT's size: a longer object was accepted, only its first bytes checked."""
+    from lightning_fsdp.checkpoint.integrity.digests import ChecksumError
+    from lightning_fsdp.checkpoint.io import remote_download, transport_download
+
+    monkeypatch.setattr(transport_download, "client_for", lambda _: None)
+    with pytest.raises(ChecksumError, match=rf"'s3://b/ck/\.tok/checksums\.json' is damaged: {said}, its commit"
+                                            r" records 200"):
+        remote_download.fetch_small(_S3Changed(change), "s3://b/ck", _record())
+
+
 def _saved_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     from lightning_fsdp.checkpoint.integrity.digests import new_save_id
     from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter

@@ -117,7 +117,11 @@ def _read_small(fs: Any, fast: Any, url: str, size: int) -> bytes:
             raise damaged(url, f"it has {real} bytes, its commit records {size}") from None
         except transport_download.Unplaced:
             fast.on = False  # an answer obstore could not place, before any byte: s3fs from now on, as ranged reads
-    return fs.cat_file(url, start=0, end=size)
+    # One byte more than COMMIT's size: an object longer than that is damage here too, as obstore's reader says.
+    data = fs.cat_file(url, start=0, end=size + 1)
+    if len(data) > size:
+        raise damaged(url, f"it has more than {size} bytes, its commit records {size}")
+    return data
 
 
 def write_skeleton(record: dict[str, Any], small: dict[str, bytes], local: Path, target: str) -> None:
