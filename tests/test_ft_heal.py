@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp.engine.fault_tolerance import heal, transport
+from one_rank import one_rank_group
 
 pytestmark = pytest.mark.single_process
 
@@ -34,12 +35,8 @@ TIMEOUT = timedelta(seconds=30)  # bounds a hang only: the transfer takes millis
 
 @pytest.fixture(scope="module")
 def one_rank():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ import torch
 from inprocess import run_cli
 from lightning_fsdp.checkpoint.io import ranged_read, remote_errors
 from lightning_fsdp.checkpoint.io.remote_source import RemoteObjects
+from one_rank import one_rank_group
 
 LOADER = {"key": "loader", "secret": "testing"}  # the load signs with its own key: the ledger counts it apart
 
@@ -36,14 +37,8 @@ def bucket(ledger, monkeypatch):
 
 @pytest.fixture()
 def one_rank():
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model(value: float = 0.0) -> torch.nn.Module:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from inprocess import run_cli
+from one_rank import one_rank_group
 
 pytestmark = pytest.mark.single_process
 
@@ -36,14 +37,8 @@ def bucket(ledger, monkeypatch):
 
 @pytest.fixture()
 def one_rank():
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Model(torch.nn.Module):
