@@ -20,6 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+from streamed import save_streamed
+
 pytestmark = pytest.mark.single_process
 
 SMALL = {".metadata": b"m" * 145, "checksums.json": b"{}" * 100, "meta.pt": b"p" * 700}
@@ -124,16 +126,8 @@ def test_through_s3fs_too_a_small_object_of_another_size_than_its_commit_is_name
 
 
 def _saved_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    from lightning_fsdp.checkpoint.integrity.digests import new_save_id
-    from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
-
     saved = {f"t{i}": torch.randn(64 + i, 33, generator=torch.Generator().manual_seed(i)) for i in range(3)}
-    folder.mkdir(parents=True)
-    writer = StreamingWriter(folder, save_id=new_save_id(),
-                             open_object=lambda name, size_hint=None: open(folder / name, "wb"))
-    with warnings.catch_warnings():  # DCP says it saves as one process: it does
-        warnings.simplefilter("ignore")
-        dcp.save(saved, storage_writer=writer, no_dist=True)
+    save_streamed(folder, saved)
     return saved
 
 

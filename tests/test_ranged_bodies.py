@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from streamed import save_streamed
+
 pytestmark = pytest.mark.single_process
 
 KIB, MIB = 2**10, 2**20
@@ -98,15 +100,7 @@ def test_a_body_takes_the_lowest_free_place_that_fits_it():
 
 
 def _save(folder: Path, state: dict) -> None:
-    from lightning_fsdp.checkpoint.integrity.digests import new_save_id
-    from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
-
-    folder.mkdir(parents=True)
-    writer = StreamingWriter(folder, save_id=new_save_id(),
-                             open_object=lambda name, size_hint=None: open(folder / name, "wb"))
-    with warnings.catch_warnings():  # DCP says it saves as one process: it does
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=writer, no_dist=True)
+    save_streamed(folder, state)
 
 
 def _load(folder: Path, state: dict, planner: Any = None) -> None:

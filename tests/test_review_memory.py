@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from streamed import save_streamed
+
 MIB = 2**20
 
 pytestmark = pytest.mark.single_process
@@ -35,15 +37,7 @@ pytestmark = pytest.mark.single_process
 def _save(folder: Path, state: dict, cuts: Optional[dict] = None) -> None:
     """Save ``state`` with the streaming writer into ``folder``; ``cuts``: {name: (dim, [sizes])} saves that tensor as
     chunks of those sizes along ``dim``, as ranks of a sharded save would."""
-    from lightning_fsdp.checkpoint.integrity.digests import new_save_id
-    from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
-
-    folder.mkdir(parents=True)
-    writer = StreamingWriter(folder, save_id=new_save_id(),
-                             open_object=lambda name, size_hint=None: open(folder / name, "wb"))
-    with warnings.catch_warnings():  # DCP says it saves as one process: it does
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=writer, planner=_Chunks(cuts or {}), no_dist=True)
+    save_streamed(folder, state, _Chunks(cuts or {}))
 
 
 def _load(folder: Path, state: dict, boxes: Optional[dict] = None, *, piece: Optional[int] = None,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from one_rank import one_rank_group
+from streamed import streaming_writer
 
 pytestmark = pytest.mark.single_process
 
@@ -33,11 +34,7 @@ def _state() -> dict:
 
 
 def _streaming(folder: Path):
-    from lightning_fsdp.checkpoint.integrity.digests import new_save_id
-    from lightning_fsdp.checkpoint.integrity.streaming_write import StreamingWriter
-
-    return StreamingWriter(folder, save_id=new_save_id(),
-                           open_object=lambda name, size_hint=None: open(folder / name, "wb"))
+    return streaming_writer(folder)
 
 
 def _local(folder: Path):
