@@ -422,3 +422,38 @@ def test_clean_during_a_save_keeps_its_objects_and_a_save_whose_objects_vanished
     _step(writer, state, "P", url, "", {})
     assert state["done"].startswith("FileNotFoundError") and "gone or changed" in state["done"], state
     assert _loaded(url) == {"a.distcp": b"new"}  # the previous checkpoint stands, whole
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_streamed_load_whose_small_objects_another_process_removes_says_the_checkpoint_changed(
+        s3, writers, monkeypatch, client):
+    """Two processes: this one loads a sharded checkpoint by ranges (COMMIT, then `.metadata`, `checksums.json` and
+    `meta.pt` side by side); between its COMMIT and those GETs, a writer process replaces the checkpoint and its
+    clean-up removes the objects being read. Through obstore and through s3fs alike, the load says the checkpoint
+    changed while it was read (never a bare missing-object error), and the new checkpoint is whole."""
+    from lightning_fsdp.checkpoint.io import remote_download, transport_download
+    from lightning_fsdp.checkpoint.io.one_process import OneProcess
+
+    if client == "s3fs":
+        monkeypatch.setenv(transport_download.VARIABLE, "s3fs")
+    url = f"s3://{s3.bucket()}/run/step-{client}"
+    small = {".metadata": b"m" * 40, "checksums.json": b"{}", "meta.pt": b"p" * 30, "__0_0.distcp": b"x" * 50}
+    _commit(url, "0123456789ab", small)
+    fetch_small, raced = remote_download.fetch_small, []
+
+    def racing(fs, target, record):
+        if not raced:  # the first read only: the retry reads the new COMMIT's objects
+            state: dict = {}
+            for step in "SPC":
+                _step(writers[0], state, step, url, "ba9876543210", {n: "second" for n in small})
+            raced.append(state["done"])
+        return fetch_small(fs, target, record)
+
+    monkeypatch.setattr(remote_download, "fetch_small", racing)
+    with pytest.raises(FileNotFoundError, match="changed while it was being read.*another save replaced it.*HINT"):
+        with _store().open_committed(url, OneProcess()):
+            pass
+    assert raced == ["ok"], raced
+    monkeypatch.setattr(remote_download, "fetch_small", fetch_small)
+    # The new COMMIT's small objects (a streamed load lays out only those; its shards are read by ranges).
+    assert _loaded(url) == {n: b"second" for n in small if not n.endswith(".distcp")}
