@@ -19,10 +19,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # 9 scripts) is the critical path now. The budget is that run plus the machine's spread (a fifth): 560 s. It is
 # over the 6-minute target; bring it back down rather than raising it again. Raise it only with a measurement and a
 # reason.
-# Raised on 2026-11-29 to 620 s (1634 tests, pytest 558 s, suite 575 s in a clean-checkout run), as a debt; paid the
-# same day: more launches start in the background with the pools (`env_from=`, `alone=True`, CONTRIBUTING.md), and
-# the budget is 560 s again.
-SUITE_BUDGET_S=560
+# Raised on 2026-11-29 to 620 s (1634 tests, pytest 558 s, suite 575 s in a clean-checkout run), as a debt. Then
+# more launches started in the background with the pools (`env_from=`, `alone=True`, CONTRIBUTING.md): three
+# clean-checkout runs of the pinned leg the same day (1652-1656 tests) took pytest 492, 486 and 546 s, the suite 508,
+# 501 and 562 s, the third on a machine slower across the board (every pool and slow test took longer). The budget
+# is the slowest of them plus about 7%: 600 s, lower than before; the 6-minute target is still not met.
+SUITE_BUDGET_S=600
 
 bash "$ROOT/.ci/install.sh"
 cd "$ROOT"
