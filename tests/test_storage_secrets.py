@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import s3server
-from launch import case_tests
+from launch import launch
 from lightning_fsdp._base.secrets import MASK, is_secret_key, mask_secrets
 from lightning_fsdp.engine.config import FSDPConfig
 
@@ -152,24 +151,22 @@ CASES = [
 ]
 
 
-def _options_only_env(out: Path) -> dict[str, str]:
-    """The launch's environment: no endpoint, keys, profile or credential file (a path in ``out``, the launch's
-    folder, where nothing is written), so only the strategy's options (or a load's) can reach the server; the
-    server's address and a bucket of its own come as the cases' inputs. Called when its pool's turn comes
-    (``launch.case_tests``'s ``env_from``): the server starts then, in the background, and so does the launch."""
+@pytest.fixture(scope="module")
+def results(s3_server, tmp_path_factory):
+    # No endpoint, keys, profile or credential file in the ranks' environment: only the strategy's options (or a
+    # load's) can reach the server. Instance metadata is off, so a client with no credentials fails at once.
     import os
 
     removed = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
                "AWS_DEFAULT_REGION")
     assert not [name for name in removed if name in os.environ], "the pytest process itself holds AWS_* variables"
-    none = str(out / "no_aws" / "none")
-    server = s3server.server()
-    return {"LFSDP_TEST_BUCKET": server.bucket(), "LFSDP_TEST_ENDPOINT": server.endpoint,
-            "AWS_SHARED_CREDENTIALS_FILE": none, "AWS_CONFIG_FILE": none}
+    none = str(tmp_path_factory.mktemp("no_aws") / "none")
+    return launch("storage_options_only.py", 2, tmp_path_factory.mktemp("storage_options_only"),
+                  LFSDP_TEST_BUCKET=s3_server.bucket(), LFSDP_TEST_ENDPOINT=s3_server.endpoint,
+                  LFSDP_TEST_SECRET=SECRET, AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=none,
+                  AWS_CONFIG_FILE=none)
 
 
-# Instance metadata is off, so a client with no credentials fails at once. A pool of its own (its environment differs
-# from the other S3 scripts'), started in the background after collection like the others.
-results, test_two_ranks_with_options_only_in_the_strategy = case_tests(
-    "storage_options_only.py", 2, CASES, env_from=_options_only_env, LFSDP_TEST_SECRET=SECRET,
-    AWS_EC2_METADATA_DISABLED="true")
+@pytest.mark.parametrize("name", CASES)
+def test_two_ranks_with_options_only_in_the_strategy(results, name):
+    results.check(name)
